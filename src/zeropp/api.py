@@ -1,0 +1,139 @@
+"""``zeropp.initialize``: read the config, build the topology and strategies, wrap the model.
+
+This is the only place that looks at ZeRO++ switches: it turns them into the strategies the engine is
+handed (see :func:`build_strategies`).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeropp import topology as topo_mod
+from zeropp.comm.gather import AllGather
+from zeropp.comm.ledger import CommLedger
+from zeropp.comm.ops import Comm
+from zeropp.comm.reduce import AllToAllReduceScatter
+from zeropp.config import ZeroConfig, ZeroppConfig, load_config
+from zeropp.optim import build_optimizer, build_scheduler
+from zeropp.plus.hpz import HpzGather, SecondaryStore
+from zeropp.plus.qgz import QuantizedReduce
+from zeropp.plus.qwz import QuantizedGather
+from zeropp.zero.stage3 import Stage3Engine, Strategies, TrainPolicy
+
+
+class InitResult(NamedTuple):
+    """What :func:`initialize` returns, in DeepSpeed's order."""
+
+    engine: Stage3Engine
+    optimizer: torch.optim.Optimizer
+    training_dataloader: Optional[torch.utils.data.DataLoader]
+    lr_scheduler: Any
+
+
+def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
+    """Map the ZeRO++ switches to gather and reduce strategies; each switches on independently."""
+    block = zero.quantization_block_size
+    forward = (
+        QuantizedGather(comm, zero.zero_quantized_weights_bits, block) if zero.zero_quantized_weights
+        else AllGather(comm)
+    )
+    backward = AllGather(comm)
+    if zero.zero_hpz_partition_size > 1:
+        store = SecondaryStore()  # shared: a slice cut after forward serves backward
+        forward, backward = HpzGather(comm, forward, store), HpzGather(comm, backward, store)
+    reduce = (
+        QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block) if zero.zero_quantized_gradients
+        else AllToAllReduceScatter(comm)
+    )
+    return Strategies(forward, backward, reduce)
+
+
+def _ensure_process_group() -> None:
+    """Join torchrun's process group (gloo on CPU, NCCL on CUDA); a lone process forms a world of one."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+    """Rebuild a user's optimizer (same class, groups and hyper-parameters) over the master shards.
+
+    ``master_of`` maps ``id(model parameter)`` to its fp32 master shard; parameters without one are frozen.
+    """
+    groups = []
+    for group in user_opt.param_groups:
+        g = {k: v for k, v in group.items() if k != "params"}
+        g["params"] = [master_of[id(p)] for p in group["params"] if id(p) in master_of]
+        groups.append(g)
+    return type(user_opt)(groups, **user_opt.defaults)
+
+
+def initialize(
+    model: nn.Module,
+    config: Union[str, os.PathLike, dict, ZeroppConfig, None] = None,
+    model_parameters: Optional[Iterable[torch.Tensor]] = None,
+    optimizer: Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None] = None,
+    training_data: Optional[torch.utils.data.Dataset] = None,
+    lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+    config_params: Optional[dict] = None,
+) -> InitResult:
+    """Partition ``model`` over the data-parallel ranks and return ``(engine, optimizer, dataloader, scheduler)``.
+
+    Args:
+        model: an unchanged ``nn.Module``; its parameters are sharded in place (each rank keeps its chunk).
+        config: a DeepSpeed-style JSON path or dict (``config_params`` is DeepSpeed's older spelling).
+        model_parameters: the parameters to train; others are kept frozen (default: all of them).
+        optimizer: a torch optimizer built over ``model``'s parameters (rebuilt with the same class, groups and
+            hyper-parameters over the fp32 master shards), or a callable ``params -> optimizer``; default:
+            the config's ``optimizer`` section.
+        training_data: a dataset; if given, a loader of ``train_micro_batch_size_per_gpu`` with a
+            distributed sampler is returned.
+        lr_scheduler: a callable ``optimizer -> scheduler``; default: the config's ``scheduler`` section.
+    """
+    cfg = load_config(config if config is not None else (config_params or {}))
+    _ensure_process_group()
+    zero = cfg.zero_optimization
+    topo = topo_mod.build(cfg.topology.ranks_per_node, zero.zero_hpz_partition_size)
+    batch = cfg.resolve_batch(topo.world_size)
+    ledger = CommLedger()
+    comm = Comm(topo, ledger)
+    policy = TrainPolicy(
+        compute_dtype=torch.bfloat16 if cfg.bf16.enabled else torch.float32,
+        gradient_accumulation_steps=batch.gradient_accumulation_steps,
+        gradient_clipping=cfg.gradient_clipping,
+        reduce_bucket_size=zero.reduce_bucket_size,
+    )
+    trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
+    named = dict(model.named_parameters())  # masters are named after the parameter they shard
+
+    def make_optimizer(masters: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return _retarget(optimizer, {id(named[name]): t for name, t in masters})
+        tensors = [t for _, t in masters]
+        if callable(optimizer):
+            return optimizer(tensors)
+        return build_optimizer(cfg.optimizer, tensors)
+
+    engine = Stage3Engine(
+        model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
+        make_scheduler=lr_scheduler or (lambda opt: build_scheduler(cfg.scheduler, opt)),
+        trainable=trainable,
+    )
+    loader = None
+    if training_data is not None:
+        sampler = torch.utils.data.DistributedSampler(
+            training_data, num_replicas=topo.world_size, rank=topo.rank, shuffle=True
+        )
+        loader = torch.utils.data.DataLoader(training_data, batch_size=batch.micro_batch_per_rank, sampler=sampler)
+    return InitResult(engine, engine.optimizer, loader, engine.lr_scheduler)

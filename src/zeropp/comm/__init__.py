@@ -1,0 +1,1 @@
+"""Communication: counted collectives (ops, ledger) and the plain gather/reduce strategies."""

@@ -1,0 +1,100 @@
+"""The only module that calls ``torch.distributed`` collectives.
+
+Each function takes explicit inputs (tensors, a :class:`~zeropp.topology.Group`, the phase) and records
+into the :class:`CommLedger` the bytes this rank receives from members on its own node and on other nodes.
+Single-member groups short-cut to a local copy and move no bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from zeropp.comm.ledger import CommLedger, Phase
+from zeropp.topology import Group, Topology
+
+
+@dataclass
+class Handle:
+    """An in-flight collective; ``wait`` is idempotent and cheap once done."""
+
+    work: Any = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+DONE = Handle()
+
+# torch 2.13 renamed all_gather_into_tensor; keep working on the older releases we declare.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Bundles the topology and the ledger so strategies can issue counted collectives."""
+
+    topo: Topology
+    ledger: CommLedger
+
+    def _record_per_peer(self, group: Group, bytes_per_peer: int, phase: Phase) -> None:
+        me = self.topo.rank
+        intra = sum(1 for r in group.ranks if r != me and self.topo.same_node(r))
+        inter = sum(1 for r in group.ranks if not self.topo.same_node(r))
+        self.ledger.record(phase, intra * bytes_per_peer, inter * bytes_per_peer)
+
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, group: Group, phase: Phase, async_op: bool = False
+    ) -> Handle:
+        """``out`` (``group.size * inp.numel()`` elements, contiguous) receives every member's ``inp`` in group order."""
+        if out.numel() != group.size * inp.numel():
+            raise ValueError(f"all_gather: out has {out.numel()} elements, expected {group.size} x {inp.numel()}")
+        if group.size == 1:
+            out.view(-1).copy_(inp.view(-1))
+            return DONE
+        self._record_per_peer(group, inp.numel() * inp.element_size(), phase)
+        work = _all_gather_single(out.view(-1), inp.reshape(-1), group=group.handle, async_op=async_op)
+        return Handle(work)
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, group: Group, phase: Phase, async_op: bool = False
+    ) -> Handle:
+        """Equal-split all-to-all: chunk ``i`` of ``inp`` goes to member ``i``; chunk ``i`` of ``out`` comes from it."""
+        if inp.numel() % group.size or out.numel() != inp.numel():
+            raise ValueError(f"all_to_all: {inp.numel()} elements do not split into {group.size} equal chunks")
+        if group.size == 1:
+            out.copy_(inp)
+            return DONE
+        self._record_per_peer(group, inp.numel() // group.size * inp.element_size(), phase)
+        work = dist.all_to_all_single(out, inp, group=group.handle, async_op=async_op)
+        return Handle(work)
+
+    def all_reduce(self, t: torch.Tensor, group: Group, phase: Phase = Phase.OTHER, op: str = "sum") -> None:
+        """In-place all-reduce; counted as a ring all-reduce receives, 2(P-1)/P of the tensor, split by link."""
+        if group.size == 1:
+            return
+        p = group.size
+        per_peer = 2 * t.numel() * t.element_size() // p
+        self._record_per_peer(group, per_peer, phase)
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(t, op=red, group=group.handle)
+
+    def broadcast(self, t: torch.Tensor, src: int, group: Group, phase: Phase = Phase.OTHER) -> None:
+        """In-place broadcast from global rank ``src``."""
+        if group.size == 1:
+            return
+        me = self.topo.rank
+        if me != src:
+            nbytes = t.numel() * t.element_size()
+            same = self.topo.same_node(src)
+            self.ledger.record(phase, nbytes if same else 0, 0 if same else nbytes)
+        dist.broadcast(t, src=src, group=group.handle)
+
+    def barrier(self, group: Optional[Group] = None) -> None:
+        g = group or self.topo.world
+        if g.size > 1:
+            dist.barrier(group=g.handle)

@@ -1,0 +1,448 @@
+"""DeepSpeed-style JSON config, read once at the edge into typed, frozen pydantic models.
+
+    cfg = load_config("ds_config.json")      # or a dict
+    plan = cfg.resolve_batch(world_size)     # BatchPlan(train_batch_size, micro_batch_per_rank, ...)
+
+Key names are DeepSpeed's. Three kinds of key (see docs/config.md for each one):
+
+* implemented: zeropp does what the key asks;
+* accepted, tuning only: the key tunes something zeropp does differently (`sub_group_size`, bucket sizes
+  it rounds, `wall_clock_breakdown`...) or asks for what zeropp always does (`contiguous_gradients`,
+  `reduce_scatter: true`); it loads and changes nothing;
+* not supported yet: a value asking for behaviour zeropp lacks; `check_supported` raises
+  `NotSupportedError` naming its JSON path. The rules live in one table, `NOT_SUPPORTED`, so a row can be
+  deleted when its feature lands.
+
+Anything else (an unknown key, a typo, a wrong type, a value out of range) raises one `ConfigError` that
+lists every problem as `<dotted.json.path>: <what is wrong>; accepted: <what is accepted>`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
+
+from zeropp.config_models import (
+    DEEPSPEED_ONLY_OPTIMIZERS,
+    DEEPSPEED_ONLY_SCHEDULERS,
+    OPTIMIZER_TYPES,
+    SCHEDULER_TYPES,
+    STATUS_PARTIAL,
+    STATUS_TUNING,
+    UNION_TAGS,
+    AdamOptimizerConfig,
+    AdamParams,
+    AnyOptimizerConfig,
+    AnySchedulerConfig,
+    Bf16Config,
+    DSInt,
+    F,
+    Fp16Config,
+    Number,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    OtherOptimizerConfig,
+    OtherSchedulerConfig,
+    SchedulerConfig,
+    Section,
+    SGDOptimizerConfig,
+    SGDParams,
+    TopologyConfig,
+    WarmupCosineLRConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRConfig,
+    WarmupDecayLRParams,
+    WarmupLRConfig,
+    WarmupLRParams,
+    ZeroConfig,
+    problem,
+)
+
+__all__ = [
+    "ConfigError", "NotSupportedError", "load_config", "check_supported", "NOT_SUPPORTED", "Unsupported",
+    "ZeroppConfig", "BatchPlan", "ZeroConfig", "Bf16Config", "Fp16Config", "TopologyConfig",
+    "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "AdamOptimizerConfig",
+    "SGDOptimizerConfig", "OtherOptimizerConfig", "AdamParams", "SGDParams", "SchedulerConfig",
+    "WarmupLRConfig", "WarmupDecayLRConfig", "WarmupCosineLRConfig", "OtherSchedulerConfig",
+    "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OPTIMIZER_TYPES", "SCHEDULER_TYPES",
+]
+
+
+# ------------------------------------------------------------------------------------------------- errors
+class ConfigError(ValueError):
+    """An invalid config. `problems` holds one line per problem, each starting with its JSON path."""
+
+    what = "problems in the config"
+
+    def __init__(self, problems: str | list[str], source: str | None = None) -> None:
+        self.problems: list[str] = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f"config file {self.source!r}: " if self.source else ""
+        if len(self.problems) == 1:
+            return where + self.problems[0]
+        head = f"{where}{len(self.problems)} {self.what}:"
+        return "\n  - ".join([head, *self.problems])
+
+
+class NotSupportedError(ConfigError):
+    """A valid DeepSpeed setting that asks for behaviour zeropp does not have yet."""
+
+    what = "settings in the config are not supported yet"
+
+
+# ------------------------------------------------------------------------------------------------- schema
+class BatchPlan(NamedTuple):
+    """Resolved batch sizes: train_batch_size = micro_batch_per_rank * gradient_accumulation_steps * world."""
+
+    train_batch_size: int
+    micro_batch_per_rank: int
+    gradient_accumulation_steps: int
+
+
+class ZeroppConfig(Section):
+    """The whole config file: DeepSpeed's top-level keys plus zeropp's `topology` extension."""
+
+    train_batch_size: DSInt | None = F(None, ge=1, doc="Global batch per optimizer step (all ranks, all "
+                                       "accumulation steps).")
+    train_micro_batch_size_per_gpu: DSInt | None = F(None, ge=1, doc="Batch per rank per forward/backward.")
+    gradient_accumulation_steps: DSInt | None = F(None, ge=1, doc="Micro-batches accumulated per step.")
+    optimizer: AnyOptimizerConfig | None = F(None, doc="Optimizer; null = AdamW(lr=1e-3) (see zeropp.optim).")
+    scheduler: AnySchedulerConfig | None = F(None, doc="Learning-rate schedule; null = constant lr.")
+    bf16: Bf16Config = F(default_factory=Bf16Config, doc="bfloat16 mixed precision.")
+    fp16: Fp16Config = F(default_factory=Fp16Config, doc="float16 mixed precision (not supported yet).",
+                         status=STATUS_PARTIAL)
+    zero_optimization: ZeroConfig = F(default_factory=ZeroConfig, doc="ZeRO stage and ZeRO++ switches.")
+    topology: TopologyConfig = F(default_factory=TopologyConfig, doc="zeropp extension: node layout.")
+    gradient_clipping: Number = F(0.0, ge=0, doc="Clip the global gradient norm to this; 0 = off.")
+    steps_per_print: DSInt = F(10, ge=1, doc="DeepSpeed's progress-print period.", status=STATUS_TUNING)
+    wall_clock_breakdown: bool = F(False, doc="DeepSpeed's timer breakdown.", status=STATUS_TUNING)
+    prescale_gradients: bool = F(False, doc="Divide gradients by world size before reducing. `true` is "
+                                 "not supported yet.", status=STATUS_PARTIAL)
+    gradient_predivide_factor: Number = F(1.0, gt=0, doc="Split of the averaging before/after the "
+                                          "reduction; only 1.0 is supported yet.", status=STATUS_PARTIAL)
+    zero_allow_untested_optimizer: bool = F(False, doc="DeepSpeed's guard for client optimizers.",
+                                            status=STATUS_TUNING)
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> ZeroppConfig:
+        if self.bf16.enabled and self.fp16.enabled:
+            raise problem("bf16.enabled and fp16.enabled are both true", "at most one of them true",
+                          path="fp16.enabled")
+        return self
+
+    def resolve_batch(self, world_size: int) -> BatchPlan:
+        """Derive the three batch sizes for `world_size` ranks, as DeepSpeed does.
+
+        Any two of train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps give
+        the third; one alone is completed with gradient_accumulation_steps = 1; gradient_accumulation_steps
+        alone, or none at all, is an error; so is a set that does not satisfy train = micro * gas * world.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        train, micro, gas = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                             self.gradient_accumulation_steps)
+        if train is None and micro is None:
+            raise ConfigError("train_batch_size, train_micro_batch_size_per_gpu: neither is set; "
+                              "accepted: train_batch_size and/or train_micro_batch_size_per_gpu "
+                              "(gradient_accumulation_steps alone cannot size a batch)")
+        if train is None:
+            gas = gas or 1
+            train = micro * gas * world_size
+        elif micro is None:
+            gas = gas or 1
+            micro = train // (gas * world_size)
+        elif gas is None:
+            gas = train // (micro * world_size)
+        if micro < 1 or gas < 1 or train != micro * gas * world_size:
+            raise ConfigError(self._batch_mismatch(world_size))
+        return BatchPlan(train, micro, gas)
+
+    def _batch_mismatch(self, world_size: int) -> str:
+        """The error line for batch sizes that do not fit `world_size`."""
+        given = ", ".join(f"{k}={_json(getattr(self, k))}" for k in _BATCH_KEYS)
+        return (f"{', '.join(_BATCH_KEYS)}: inconsistent for world size {world_size} ({given}); accepted: "
+                f"train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * "
+                f"world size, with every value a positive integer")
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+# ---------------------------------------------------------------------------------- not-supported table
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """One "not supported yet" rule: the value at `path` is rejected when `rejects(value)` is true."""
+
+    path: str
+    rejects: Callable[[Any], bool]
+    why: str
+
+    def check(self, cfg: ZeroppConfig) -> str | None:
+        """The error line when `cfg` hits this rule, else None."""
+        value = _lookup(cfg, self.path)
+        if value is _ABSENT or not self.rejects(value):
+            return None
+        return f"{self.path}: not supported yet: {_json(value)} ({self.why})"
+
+
+# Delete a row when its feature lands (and update docs/config.md). A row's path is dotted JSON.
+NOT_SUPPORTED: tuple[Unsupported, ...] = (
+    Unsupported("zero_optimization.stage", lambda v: v != 3,
+                "only ZeRO stage 3 is implemented so far; accepted: 3"),
+    Unsupported("fp16.enabled", lambda v: v is True,
+                "fp16 with loss scaling; accepted: false (use bf16.enabled: true for mixed precision)"),
+    Unsupported("zero_optimization.offload_optimizer.device", lambda v: v != "none",
+                "optimizer offload; accepted: \"none\""),
+    Unsupported("zero_optimization.offload_param.device", lambda v: v != "none",
+                "parameter offload; accepted: \"none\""),
+    Unsupported("zero_optimization.reduce_scatter", lambda v: v is False,
+                "false asks for all-reduce gradient averaging; accepted: true"),
+    Unsupported("zero_optimization.stage3_gather_16bit_weights_on_model_save", lambda v: v is True,
+                "gathering 16-bit weights on save; accepted: false"),
+    Unsupported("zero_optimization.zero_quantized_nontrainable_weights", lambda v: v is True,
+                "storing frozen weights quantized; accepted: false"),
+    Unsupported("zero_optimization.zeropp_loco_param", lambda v: v is not None,
+                "LoCo-ZeRO++ error feedback; accepted: null"),
+    Unsupported("prescale_gradients", lambda v: v is True,
+                "dividing gradients before the reduction; accepted: false"),
+    Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "accepted: 1.0"),
+    Unsupported("optimizer.type", lambda v: v in DEEPSPEED_ONLY_OPTIMIZERS,
+                f"DeepSpeed-only optimizer; accepted: {', '.join(OPTIMIZER_TYPES)}"),
+    Unsupported("optimizer.params.bias_correction", lambda v: v is False,
+                "Adam without bias correction; accepted: true"),
+    Unsupported("scheduler.type", lambda v: v in DEEPSPEED_ONLY_SCHEDULERS,
+                f"accepted: {', '.join(SCHEDULER_TYPES)}"),
+    Unsupported("scheduler.params.last_batch_iteration", lambda v: v != -1,
+                "resume a schedule through its state_dict instead; accepted: -1"),
+)
+
+
+def _lookup(cfg: BaseModel, path: str) -> Any:
+    """The value at dotted `path` in `cfg`, or `_ABSENT` when a section on the way is null or lacks it."""
+    value: Any = cfg
+    for part in path.split("."):
+        value = getattr(value, part, _ABSENT) if value is not None else _ABSENT
+        if value is _ABSENT:
+            return _ABSENT
+    return value
+
+
+def check_supported(cfg: ZeroppConfig, source: str | None = None) -> None:
+    """Raise one `NotSupportedError` listing every `NOT_SUPPORTED` rule that `cfg` hits."""
+    hits = [line for rule in NOT_SUPPORTED if (line := rule.check(cfg)) is not None]
+    if hits:
+        raise NotSupportedError(hits, source)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | ZeroppConfig) -> ZeroppConfig:
+    """Read a config from a JSON file path, a dict, or an existing `ZeroppConfig`, and check support.
+
+    Raises `ConfigError` (missing file, invalid JSON with its line, unknown keys, wrong types...) or
+    `NotSupportedError` (valid DeepSpeed settings zeropp does not implement yet).
+    """
+    origin: str | None = None
+    if isinstance(source, ZeroppConfig):
+        cfg = source
+    elif isinstance(source, Mapping):
+        cfg = parse_config(source)
+    elif isinstance(source, (str, os.PathLike)):
+        origin = os.fspath(source)
+        cfg = parse_config(read_json(origin), origin)
+    else:
+        raise ConfigError(f"<config>: got a {type(source).__name__}; accepted: a JSON file path, a dict "
+                          "or a ZeroppConfig")
+    check_supported(cfg, origin)
+    return cfg
+
+
+def read_json(path: str) -> Any:
+    """Parse the JSON file at `path`; every failure is a `ConfigError` naming the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("file not found", path) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read the file: {err}", path) from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}", path) from None
+    except _DuplicateKey as err:
+        raise ConfigError(f"duplicate key {err.args[0]!r} in one JSON object (DeepSpeed rejects it too)",
+                          path) from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object hook: a key given twice is a mistake, not "last one wins"."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def parse_config(raw: Any, source: str | None = None) -> ZeroppConfig:
+    """Validate `raw` (parsed JSON) into a `ZeroppConfig` without the support check.
+
+    Every pydantic error becomes one line of a single `ConfigError`.
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"<config>: the top level is a {type(raw).__name__}; accepted: a JSON object",
+                          source)
+    try:
+        return ZeroppConfig.model_validate(dict(raw))
+    except ValidationError as err:
+        raise ConfigError([describe_error(e) for e in err.errors()], source) from None
+
+
+# -------------------------------------------------------------------------------------- error rendering
+def _is_tag(part: Any) -> bool:
+    return isinstance(part, str) and part.startswith("<")
+
+
+def _dotted(loc: tuple[Any, ...] | list[Any]) -> str:
+    """JSON path of a pydantic location: union tags dropped, list indices as [i]."""
+    out = ""
+    for part in loc:
+        if _is_tag(part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<config>"
+
+
+def _walk(loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, FieldInfo | None]:
+    """The model that owns the last key of `loc`, and that key's field (None when unknown)."""
+    model: type[BaseModel] | None = ZeroppConfig
+    owner, field = None, None
+    for part in loc:
+        if _is_tag(part):
+            model = UNION_TAGS.get(part)
+            continue
+        if model is None or not isinstance(part, str):
+            return None, None
+        owner, field = model, model.model_fields.get(part)
+        model = _section_in(field.annotation) if field is not None else None
+    return owner, field
+
+
+def _section_in(annotation: Any) -> type[BaseModel] | None:
+    """The single model class inside `annotation` (X, X | None); None for a union of several or none."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _section_in(typing.get_args(annotation)[0])
+    found = [m for a in typing.get_args(annotation) if (m := _section_in(a)) is not None]
+    return found[0] if len(found) == 1 else None
+
+
+def _expected(field: FieldInfo | None) -> str:
+    """What a field accepts, in JSON words."""
+    return _type_words(field.annotation) if field is not None else "see docs/config.md"
+
+
+def _type_words(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_words(args[0])
+    if origin is typing.Literal:
+        return " or ".join(_json(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_words(a) for a in args)
+    if origin is tuple:
+        return f"a list of {len(args)} numbers"
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             type(None): "null", dict: "an object"}
+    if annotation in words or origin in words:
+        return words.get(annotation) or words[origin]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "an object"
+    return "see docs/config.md"
+
+
+def _json(value: Any) -> str:
+    """A short JSON rendering of `value` for messages."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_UNKNOWN_KEY_HINTS = {
+    "max_grad_norm": "not an optimizer parameter; use the top-level 'gradient_clipping' (as DeepSpeed says)",
+}
+
+
+def _unknown_key(loc: tuple[Any, ...]) -> str:
+    """The message for an unknown key: a hint or the closest accepted key, then all accepted keys."""
+    owner, _ = _walk(loc)
+    key = str(loc[-1]) if loc else ""
+    keys = list(owner.model_fields) if owner is not None else []
+    what = "unknown key"
+    if key in _UNKNOWN_KEY_HINTS:
+        what += "; " + _UNKNOWN_KEY_HINTS[key]
+    elif match := _closest(key, keys):
+        what += f"; did you mean {match!r}?"
+    return f"{what}; accepted keys: {', '.join(keys) or 'none'}"
+
+
+def _closest(key: str, keys: list[str]) -> str | None:
+    """The accepted key that `key` most likely misspells (case-insensitive exact match first)."""
+    for k in keys:
+        if k.lower() == key.lower():
+            return k
+    found = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
+           "less_than_equal": ("le", "<="), "less_than": ("lt", "<")}
+
+
+def describe_error(err: ErrorDetails) -> str:
+    """One `<path>: <what is wrong>; accepted: <what is accepted>` line for one pydantic error."""
+    loc, kind, ctx = tuple(err["loc"]), err["type"], err.get("ctx") or {}
+    path = _dotted(loc + ((ctx["path"],) if "path" in ctx else ()))
+    _, field = _walk(loc)
+    got = _json(err.get("input"))
+    if kind == "zeropp":
+        return f"{path}: {ctx['problem']}; accepted: {ctx['accepted']}"
+    if kind == "extra_forbidden":
+        return f"{path}: {_unknown_key(loc)}"
+    if kind == "missing":
+        return f"{path}: required key is missing; accepted: {_expected(field)}"
+    if kind in _BOUNDS:
+        name, sign = _BOUNDS[kind]
+        kind_words = _expected(field).replace(" or null", "")
+        return f"{path}: got {got}; accepted: {kind_words} {sign} {ctx.get(name)}"
+    if kind == "literal_error":
+        return f"{path}: got {got}; accepted: {ctx.get('expected', _expected(field))}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{path}: expected an object, got {got}; accepted: a JSON object {{...}}"
+    if kind == "bool_type":
+        return f"{path}: expected true or false, got {got}; accepted: true or false"
+    return f"{path}: {err['msg'].lower()}, got {got}; accepted: {_expected(field)}"

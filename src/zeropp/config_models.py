@@ -1,0 +1,481 @@
+"""Pydantic models for the sections of a DeepSpeed-style config (the schema only).
+
+`zeropp.config` holds the top-level `ZeroppConfig`, error reporting, the "not supported yet" table and
+`load_config`; this module holds the section models it is built from. Key names are DeepSpeed's.
+
+Validation is strict on purpose: a bool must be a JSON `true`/`false`, a string is never coerced to a
+number, and an integer field takes an int or an integral float (`5e8`, `5.0e8`, as DeepSpeed does) but
+rejects `1.5`. Errors raised here are pydantic errors; `zeropp.config` turns all of them into one
+`ConfigError` that names each JSON path.
+
+Every field carries `json_schema_extra={"status": ...}`, one of the `STATUS_*` strings below, so the docs
+(docs/config.md) and a unit test can check that each accepted key is documented with its status.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError, PydanticUndefined
+
+STATUS_IMPLEMENTED = "implemented"
+STATUS_TUNING = "accepted, tuning only"
+STATUS_PARTIAL = "implemented; some values not supported yet"
+STATUS_INERT = "accepted, no effect yet"
+"""For keys of a feature that is not supported yet (fp16, offload): they load and change nothing."""
+STATUS_NOT_YET = "not supported yet"
+
+
+def problem(message: str, accepted: str, path: str | None = None) -> PydanticCustomError:
+    """A validation error that `zeropp.config` renders as `<path>: <message>; accepted: <accepted>`.
+
+    `path` (dotted, relative to where the error is raised) names a sub-key for model-level checks.
+    """
+    ctx: dict[str, str] = {"problem": message, "accepted": accepted}
+    if path is not None:
+        ctx["path"] = path
+    return PydanticCustomError("zeropp", "{problem}; accepted: {accepted}", ctx)
+
+
+def _show(value: Any) -> str:
+    """`value` as it would look in JSON (for error messages)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _integral(value: Any) -> int:
+    """Accept an int or an integral float (`5e8`); reject bools, strings and `1.5`."""
+    accepted = "an integer (numbers written like 5e8 are allowed)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise problem(f"expected an integer, got {_show(value)}", accepted)
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise problem(f"expected an integer, got {value!r} (not a whole number)", accepted)
+        return int(value)
+    return value
+
+
+def _number(value: Any) -> float:
+    """Accept an int or a finite float; reject bools and strings."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise problem(f"expected a number, got {_show(value)}", "a number")
+    if not math.isfinite(value):
+        raise problem(f"expected a finite number, got {value!r}", "a finite number")
+    return float(value)
+
+
+def _pair(value: Any) -> Any:
+    """JSON has no tuples: read a 2-element list as a pair."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise problem(f"expected a list of 2 numbers, got {_show(value)}",
+                      "a list of 2 numbers, e.g. [0.9, 0.999]")
+    return tuple(value)
+
+
+DSInt = Annotated[int, BeforeValidator(_integral)]
+"""An integer that may be written `5e8` (an integral float), as in DeepSpeed's configs."""
+Number = Annotated[float, BeforeValidator(_number)]
+"""A finite number (int or float); never a string or bool."""
+
+
+def F(default: Any = PydanticUndefined, *, doc: str, status: str = STATUS_IMPLEMENTED, **kw: Any) -> Any:
+    """A documented field: `doc` becomes the description, `status` says how zeropp treats the key."""
+    return Field(default, description=doc, json_schema_extra={"status": status}, **kw)
+
+
+class Section(BaseModel):
+    """Base of every config section: strict types, unknown keys rejected, values frozen."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------------------------- precision
+class Bf16Config(Section):
+    """`bf16`: bfloat16 mixed precision (16-bit compute and communication, fp32 master weights)."""
+
+    enabled: bool = F(False, doc="Train with bf16 weights/activations and fp32 master weights.")
+
+
+class Fp16Config(Section):
+    """`fp16`: float16 mixed precision with dynamic loss scaling (DeepSpeed keys; not supported yet)."""
+
+    enabled: bool = F(False, doc="Train in fp16 with loss scaling. `true` is not supported yet.",
+                      status=STATUS_PARTIAL)
+    auto_cast: bool = F(False, doc="Cast inputs to fp16 (inert until fp16 lands).", status=STATUS_INERT)
+    loss_scale: Number = F(0.0, ge=0, doc="Static loss scale; 0 means dynamic (inert until fp16 lands).",
+                           status=STATUS_INERT)
+    initial_scale_power: DSInt = F(16, ge=0, doc="Initial dynamic scale is 2**this (inert until fp16 lands).",
+                                   status=STATUS_INERT)
+    loss_scale_window: DSInt = F(1000, ge=1, doc="Steps without overflow before raising the scale (inert).",
+                                 status=STATUS_INERT)
+    hysteresis: DSInt = F(2, ge=1, doc="Overflows tolerated before lowering the scale (inert).",
+                          status=STATUS_INERT)
+    consecutive_hysteresis: bool = F(False, doc="Refill hysteresis on a good step (inert).",
+                                     status=STATUS_INERT)
+    min_loss_scale: Number = F(1.0, gt=0, doc="Lower bound of the dynamic loss scale (inert).",
+                               status=STATUS_INERT)
+    fp16_master_weights_and_grads: bool = F(False, doc="Keep master weights in fp16 (inert).",
+                                            status=STATUS_INERT)
+
+
+# ------------------------------------------------------------------------------------------------ offload
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadOptimizerConfig(Section):
+    """`zero_optimization.offload_optimizer`: move optimizer state/step to CPU or NVMe (not supported yet)."""
+
+    device: OffloadDevice = F("none", doc="Where optimizer state lives; only \"none\" is supported yet.",
+                              status=STATUS_PARTIAL)
+    nvme_path: str | None = F(None, doc="NVMe directory for device \"nvme\" (inert).", status=STATUS_INERT)
+    pin_memory: bool = F(False, doc="Use page-locked CPU buffers (inert).", status=STATUS_INERT)
+    buffer_count: DSInt = F(4, ge=0, doc="NVMe buffer pool size (inert).", status=STATUS_INERT)
+    pipeline_read: bool = F(False, doc="Overlap NVMe reads with compute (inert).", status=STATUS_INERT)
+    pipeline_write: bool = F(False, doc="Overlap NVMe writes with compute (inert).", status=STATUS_INERT)
+    fast_init: bool = F(False, doc="Fast optimizer init with NVMe (inert).", status=STATUS_INERT)
+    ratio: Number = F(1.0, ge=0, le=1, doc="Fraction of optimizer state offloaded (inert).",
+                      status=STATUS_INERT)
+
+
+class OffloadParamConfig(Section):
+    """`zero_optimization.offload_param`: move partitioned parameters to CPU or NVMe (not supported yet)."""
+
+    device: OffloadDevice = F("none", doc="Where parameters live; only \"none\" is supported yet.",
+                              status=STATUS_PARTIAL)
+    nvme_path: str | None = F(None, doc="NVMe directory for device \"nvme\" (inert).", status=STATUS_INERT)
+    pin_memory: bool = F(False, doc="Use page-locked CPU buffers (inert).", status=STATUS_INERT)
+    buffer_count: DSInt = F(5, ge=0, doc="NVMe buffer pool size (inert).", status=STATUS_INERT)
+    buffer_size: DSInt = F(100_000_000, ge=0, doc="NVMe buffer size in elements (inert).",
+                           status=STATUS_INERT)
+    max_in_cpu: DSInt = F(1_000_000_000, ge=0, doc="Elements kept in CPU memory with NVMe (inert).",
+                          status=STATUS_INERT)
+
+
+# --------------------------------------------------------------------------------------------------- ZeRO
+class ZeroConfig(Section):
+    """`zero_optimization`: the ZeRO stage, its buckets, and the ZeRO++ switches (qwZ, hpZ, qgZ)."""
+
+    stage: DSInt = F(0, doc="ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters. "
+                     "Only 3 is implemented yet.", status=STATUS_PARTIAL)
+    reduce_bucket_size: DSInt = F(500_000_000, ge=1, doc="Gradient elements reduced per bucket "
+                                  "(rounded to whole parameters).")
+    allgather_bucket_size: DSInt = F(500_000_000, ge=1, doc="Stage 1/2 all-gather bucket size.",
+                                     status=STATUS_TUNING)
+    stage3_prefetch_bucket_size: DSInt = F(50_000_000, ge=0, doc="Elements gathered ahead of use; zeropp "
+                                           "prefetches the next module.", status=STATUS_TUNING)
+    stage3_param_persistence_threshold: DSInt = F(100_000, ge=0, doc="Parameters smaller than this stay "
+                                                  "unpartitioned in DeepSpeed.", status=STATUS_TUNING)
+    stage3_model_persistence_threshold: DSInt = F(2**63 - 1, ge=0, doc="Cap on persisted elements.",
+                                                  status=STATUS_TUNING)
+    stage3_max_live_parameters: DSInt = F(1_000_000_000, ge=0, doc="Gathered elements kept before release.",
+                                          status=STATUS_TUNING)
+    stage3_max_reuse_distance: DSInt = F(1_000_000_000, ge=0, doc="Keep a gathered parameter if reused "
+                                         "within this distance.", status=STATUS_TUNING)
+    stage3_gather_16bit_weights_on_model_save: bool = F(False, doc="Gather full 16-bit weights when saving "
+                                                        "the model. `true` is not supported yet.",
+                                                        status=STATUS_PARTIAL)
+    overlap_comm: bool = F(True, doc="Overlap communication with compute; zeropp always overlaps.",
+                           status=STATUS_TUNING)
+    contiguous_gradients: bool = F(True, doc="Copy gradients into a contiguous buffer; zeropp always "
+                                   "reduces into flat buffers.", status=STATUS_TUNING)
+    reduce_scatter: bool = F(True, doc="Reduce-scatter gradients (true). `false` asks for all-reduce: "
+                             "not supported yet.", status=STATUS_PARTIAL)
+    allgather_partitions: bool = F(True, doc="All-gather vs. broadcasts in stage 1/2.", status=STATUS_TUNING)
+    round_robin_gradients: bool = F(False, doc="Stage 1/2 CPU-offload copy ordering.", status=STATUS_TUNING)
+    sub_group_size: DSInt = F(1_000_000_000, ge=0, doc="Optimizer-step tile size (DeepSpeed offload).",
+                              status=STATUS_TUNING)
+    ignore_unused_parameters: bool = F(True, doc="Tolerate parameters without gradients.",
+                                       status=STATUS_TUNING)
+    load_from_fp32_weights: bool = F(True, doc="Restore fp32 master weights from checkpoints; zeropp "
+                                     "always does.", status=STATUS_TUNING)
+    zero_quantized_weights: bool = F(False, doc="qwZ: quantize weights for the forward all-gather.")
+    zero_quantized_weights_bits: DSInt = F(8, doc="zeropp extension: qwZ bits per weight, 8 or 4.")
+    zero_hpz_partition_size: DSInt = F(1, ge=1, doc="hpZ: ranks holding the secondary weight shard "
+                                       "(1 = off; usually ranks per node).")
+    zero_quantized_gradients: bool = F(False, doc="qgZ: quantized 2-hop all-to-all gradient reduction.")
+    zero_quantized_gradients_bits: DSInt = F(4, doc="zeropp extension: qgZ bits per gradient, 4 or 8.")
+    quantization_block_size: DSInt = F(2048, doc="zeropp extension: elements per quantization block "
+                                       "(even, >= 2).")
+    zero_quantized_nontrainable_weights: bool = F(False, doc="Store frozen weights quantized. `true` is "
+                                                  "not supported yet.", status=STATUS_PARTIAL)
+    zeropp_loco_param: dict[str, Any] | None = F(None, doc="LoCo-ZeRO++ error feedback settings; any "
+                                                 "value is not supported yet.", status=STATUS_PARTIAL)
+    offload_optimizer: OffloadOptimizerConfig | None = F(None, doc="Optimizer offload (see its section).",
+                                                         status=STATUS_PARTIAL)
+    offload_param: OffloadParamConfig | None = F(None, doc="Parameter offload (see its section).",
+                                                 status=STATUS_PARTIAL)
+
+    @field_validator("stage")
+    @classmethod
+    def _stage_range(cls, v: int) -> int:
+        if v not in (0, 1, 2, 3):
+            raise problem(f"must be 0, 1, 2 or 3, got {v}", "0, 1, 2 or 3")
+        return v
+
+    @field_validator("zero_quantized_weights_bits", "zero_quantized_gradients_bits")
+    @classmethod
+    def _bits(cls, v: int) -> int:
+        if v not in (4, 8):
+            raise problem(f"got {v} bits", "4 or 8")
+        return v
+
+    @field_validator("quantization_block_size")
+    @classmethod
+    def _block(cls, v: int) -> int:
+        if v < 2 or v % 2:
+            raise problem(f"got {v}", "an even integer >= 2 (int4 packs two values per byte)")
+        return v
+
+
+class TopologyConfig(Section):
+    """`topology` (zeropp extension): how ranks group into nodes for hpZ and qgZ."""
+
+    ranks_per_node: DSInt | None = F(None, ge=1, doc="Ranks per node; null = torchrun's LOCAL_WORLD_SIZE. "
+                                     "Set it smaller to simulate several nodes on one host.")
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+def _canonical(value: Any, names: tuple[str, ...]) -> Any:
+    """Map a case-insensitive name to its canonical spelling (DeepSpeed lower-cases these names)."""
+    if isinstance(value, str):
+        for name in names:
+            if value.lower() == name.lower():
+                return name
+    return value
+
+
+def _typed_section_defaults(data: Any, known_types: tuple[str, ...]) -> Any:
+    """Canonicalise a `{"type", "params"}` section's type spelling; `params` may be omitted (DeepSpeed)."""
+    if isinstance(data, dict):
+        data = {"params": {}, **data}
+        if "type" in data:
+            data["type"] = _canonical(data["type"], known_types)
+    return data
+
+
+ADAM_TYPES = ("Adam", "AdamW")
+SGD_TYPES = ("SGD",)
+OPTIMIZER_TYPES = ADAM_TYPES + SGD_TYPES
+"""Optimizer types zeropp builds (torch.optim.Adam/AdamW/SGD)."""
+DEEPSPEED_ONLY_OPTIMIZERS = ("Adagrad", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion",
+                             "MuAdam", "MuAdamW", "MuSGD", "Muon")
+"""DeepSpeed optimizer types that are recognised but not supported yet."""
+
+
+class AdamParams(Section):
+    """`optimizer.params` for type Adam/AdamW (torch.optim.Adam / AdamW keyword arguments)."""
+
+    lr: Number = F(1e-3, ge=0, doc="Learning rate (the peak rate when a scheduler is set).")
+    betas: tuple[Number, Number] = F((0.9, 0.999), doc="Coefficients of the running averages [beta1, beta2].")
+    eps: Number = F(1e-8, ge=0, doc="Term added to the denominator.")
+    weight_decay: Number = F(0.0, ge=0, doc="Weight decay; decoupled (AdamW) unless Adam with "
+                             "adam_w_mode false. Default 0 like DeepSpeed's FusedAdam, not torch's 0.01.")
+    amsgrad: bool = F(False, doc="Use the AMSGrad variant.")
+    maximize: bool = F(False, doc="Maximize the objective instead of minimizing.")
+    foreach: bool | None = F(None, doc="torch's foreach implementation switch (null = torch decides).",
+                             status=STATUS_TUNING)
+    fused: bool | None = F(None, doc="torch's fused implementation switch (null = torch decides).",
+                           status=STATUS_TUNING)
+    bias_correction: bool = F(True, doc="DeepSpeed FusedAdam key; `false` is not supported yet.",
+                              status=STATUS_PARTIAL)
+    torch_adam: bool = F(False, doc="DeepSpeed key choosing torch's Adam over FusedAdam; zeropp always "
+                         "uses torch's.", status=STATUS_TUNING)
+    adam_w_mode: bool = F(True, doc="DeepSpeed key: for type Adam, true = decoupled weight decay "
+                          "(AdamW), false = L2 (torch Adam). Type AdamW is always AdamW.")
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas(cls, v: Any) -> Any:
+        return _pair(v)
+
+
+class SGDParams(Section):
+    """`optimizer.params` for type SGD (torch.optim.SGD keyword arguments)."""
+
+    lr: Number = F(1e-3, ge=0, doc="Learning rate.")
+    momentum: Number = F(0.0, ge=0, doc="Momentum factor.")
+    dampening: Number = F(0.0, doc="Dampening for momentum.")
+    weight_decay: Number = F(0.0, ge=0, doc="L2 penalty.")
+    nesterov: bool = F(False, doc="Nesterov momentum (needs momentum > 0 and dampening 0).")
+    maximize: bool = F(False, doc="Maximize the objective instead of minimizing.")
+    foreach: bool | None = F(None, doc="torch's foreach switch.", status=STATUS_TUNING)
+    fused: bool | None = F(None, doc="torch's fused switch.", status=STATUS_TUNING)
+
+    @model_validator(mode="after")
+    def _nesterov(self) -> SGDParams:
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise problem("nesterov needs momentum > 0 and dampening 0", "momentum > 0 with dampening 0",
+                          path="nesterov")
+        return self
+
+
+class OptimizerConfig(Section):
+    """`optimizer`: `{"type": ..., "params": {...}}`; the type name is case-insensitive as in DeepSpeed."""
+
+    type: str = F(doc="Adam, AdamW or SGD (case-insensitive).")
+    params: Any = F(doc="Keyword arguments of the optimizer; keys depend on the type.")
+    known_types: ClassVar[tuple[str, ...]] = OPTIMIZER_TYPES + DEEPSPEED_ONLY_OPTIMIZERS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        return _typed_section_defaults(data, cls.known_types)
+
+
+class AdamOptimizerConfig(OptimizerConfig):
+    """`optimizer` with type Adam or AdamW."""
+
+    type: Literal["Adam", "AdamW"] = F(doc="Adam or AdamW.")
+    params: AdamParams = F(default_factory=AdamParams, doc="Adam keyword arguments.")
+
+
+class SGDOptimizerConfig(OptimizerConfig):
+    """`optimizer` with type SGD."""
+
+    type: Literal["SGD"] = F(doc="SGD.")
+    params: SGDParams = F(default_factory=SGDParams, doc="SGD keyword arguments.")
+
+
+class OtherOptimizerConfig(OptimizerConfig):
+    """`optimizer` with a DeepSpeed-only type; it loads, then `check_supported` rejects it."""
+
+    type: str = F(doc="A DeepSpeed optimizer type zeropp does not build yet.", status=STATUS_NOT_YET)
+    params: dict[str, Any] = F(default_factory=dict, doc="Not validated.", status=STATUS_NOT_YET)
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in DEEPSPEED_ONLY_OPTIMIZERS:
+            raise problem(f"unknown optimizer type {v!r}", ", ".join(OPTIMIZER_TYPES) + " (case-insensitive)")
+        return v
+
+
+# ---------------------------------------------------------------------------------------------- scheduler
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+DEEPSPEED_ONLY_SCHEDULERS = ("OneCycle", "LRRangeTest")
+
+
+class WarmupLRParams(Section):
+    """`scheduler.params` for WarmupLR: warm up from warmup_min_lr to warmup_max_lr, then hold."""
+
+    warmup_min_lr: Number = F(0.0, ge=0, doc="Learning rate at the start of warmup.")
+    warmup_max_lr: Number | None = F(None, ge=0, doc="Learning rate after warmup; null = the optimizer's "
+                                     "lr (as in current DeepSpeed).")
+    warmup_num_steps: DSInt = F(1000, ge=1, doc="Warmup length in steps (at least 2 is used).")
+    warmup_type: Literal["log", "linear"] = F("log", doc="Warmup curve: log(i+1)/log(n) or i/n.")
+    last_batch_iteration: DSInt = F(-1, ge=-1, doc="DeepSpeed resume index; only -1 is supported "
+                                    "(resume through the scheduler's state_dict).", status=STATUS_PARTIAL)
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """`scheduler.params` for WarmupDecayLR: WarmupLR, then linear decay back to warmup_min_lr."""
+
+    total_num_steps: DSInt = F(ge=1, doc="Step at which the decay reaches warmup_min_lr (required).")
+    warmup_max_lr: Number = F(0.001, ge=0, doc="Learning rate after warmup (DeepSpeed default 0.001).")
+
+
+class WarmupCosineLRParams(Section):
+    """`scheduler.params` for WarmupCosineLR: ratios of the optimizer's lr, warmup then cosine decay."""
+
+    total_num_steps: DSInt = F(ge=1, doc="Step at which the cosine reaches cos_min_ratio (required).")
+    warmup_min_ratio: Number = F(0.0, ge=0, doc="lr ratio at the start of warmup.")
+    warmup_num_steps: DSInt = F(1000, ge=1, doc="Warmup length in steps (at least 2 is used).")
+    cos_min_ratio: Number = F(0.0001, ge=0, doc="lr ratio at the end of the cosine decay.")
+    warmup_type: Literal["log", "linear"] = F("log", doc="Warmup curve: log(i+1)/log(n) or i/n.")
+    last_batch_iteration: DSInt = F(-1, ge=-1, doc="DeepSpeed resume index; only -1 is supported.",
+                                    status=STATUS_PARTIAL)
+
+
+class SchedulerConfig(Section):
+    """`scheduler`: `{"type": ..., "params": {...}}` with DeepSpeed's scheduler and parameter names."""
+
+    type: str = F(doc="WarmupLR, WarmupDecayLR or WarmupCosineLR.")
+    params: Any = F(doc="Scheduler parameters; keys depend on the type.")
+    known_types: ClassVar[tuple[str, ...]] = SCHEDULER_TYPES + DEEPSPEED_ONLY_SCHEDULERS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        return _typed_section_defaults(data, cls.known_types)
+
+
+class WarmupLRConfig(SchedulerConfig):
+    """`scheduler` with type WarmupLR."""
+
+    type: Literal["WarmupLR"] = F(doc="WarmupLR.")
+    params: WarmupLRParams = F(default_factory=WarmupLRParams, doc="WarmupLR parameters.")
+
+
+class WarmupDecayLRConfig(SchedulerConfig):
+    """`scheduler` with type WarmupDecayLR."""
+
+    type: Literal["WarmupDecayLR"] = F(doc="WarmupDecayLR.")
+    params: WarmupDecayLRParams = F(doc="WarmupDecayLR parameters.")
+
+
+class WarmupCosineLRConfig(SchedulerConfig):
+    """`scheduler` with type WarmupCosineLR."""
+
+    type: Literal["WarmupCosineLR"] = F(doc="WarmupCosineLR.")
+    params: WarmupCosineLRParams = F(doc="WarmupCosineLR parameters.")
+
+
+class OtherSchedulerConfig(SchedulerConfig):
+    """`scheduler` with a DeepSpeed-only type; it loads, then `check_supported` rejects it."""
+
+    type: str = F(doc="A DeepSpeed scheduler type zeropp does not build yet.", status=STATUS_NOT_YET)
+    params: dict[str, Any] = F(default_factory=dict, doc="Not validated.", status=STATUS_NOT_YET)
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in DEEPSPEED_ONLY_SCHEDULERS:
+            raise problem(f"unknown scheduler type {v!r}", ", ".join(SCHEDULER_TYPES))
+        return v
+
+
+# ------------------------------------------------------------------------------------------ tagged unions
+# Pydantic puts the tag into error locations; tags look like "<Adam>" so `zeropp.config` can drop them
+# from the JSON paths it reports, and map them back to the model when it lists the accepted keys.
+UNION_TAGS: dict[str, type[Section]] = {
+    "<Adam>": AdamOptimizerConfig, "<SGD>": SGDOptimizerConfig, "<optimizer>": OtherOptimizerConfig,
+    "<WarmupLR>": WarmupLRConfig, "<WarmupDecayLR>": WarmupDecayLRConfig,
+    "<WarmupCosineLR>": WarmupCosineLRConfig, "<scheduler>": OtherSchedulerConfig,
+}
+
+
+def _tagger(table: dict[str, str], fallback: str) -> Any:
+    """A discriminator: the tag for a (case-insensitive) type name, else the catch-all model's tag."""
+
+    def tag(value: Any) -> str:
+        if isinstance(value, BaseModel):
+            value = {"type": getattr(value, "type", None)}
+        name = value.get("type") if isinstance(value, dict) else None
+        return table.get(name.lower(), fallback) if isinstance(name, str) else fallback
+
+    return tag
+
+
+AnyOptimizerConfig = Annotated[
+    Union[Annotated[AdamOptimizerConfig, Tag("<Adam>")], Annotated[SGDOptimizerConfig, Tag("<SGD>")],
+          Annotated[OtherOptimizerConfig, Tag("<optimizer>")]],
+    Discriminator(_tagger({"adam": "<Adam>", "adamw": "<Adam>", "sgd": "<SGD>"}, "<optimizer>")),
+]
+AnySchedulerConfig = Annotated[
+    Union[Annotated[WarmupLRConfig, Tag("<WarmupLR>")], Annotated[WarmupDecayLRConfig, Tag("<WarmupDecayLR>")],
+          Annotated[WarmupCosineLRConfig, Tag("<WarmupCosineLR>")],
+          Annotated[OtherSchedulerConfig, Tag("<scheduler>")]],
+    Discriminator(_tagger({t.lower(): f"<{t}>" for t in SCHEDULER_TYPES}, "<scheduler>")),
+]

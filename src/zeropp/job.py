@@ -1,0 +1,179 @@
+"""The demo training job: one process per rank, started by ``zeropp train`` through torch's launcher.
+
+Trains the shipped GPT on the shipped corpus, shows progress on rank 0, and ends with the communication
+report (bytes per step by phase and link, next to the ZeRO-3 formula). ``--out`` writes the loss curve
+and the report as JSON, which the convergence benchmark reads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import zeropp
+from zeropp import accounting
+from zeropp.config import load_config
+from zeropp.demo.data import corpus_tokens, get_batch
+from zeropp.demo.model import GPT, GPTConfig
+from zeropp.topology import Layout
+
+#: The embedded default: ZeRO-3 with all three ZeRO++ techniques, bf16, AdamW with warm-up.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                  "warmup_num_steps": 20, "warmup_type": "linear"}},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": 2_000_000,
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": 2,
+        "zero_quantized_gradients": True,
+    },
+    "topology": {"ranks_per_node": 2},
+}
+
+ZEROPP_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
+
+
+def job_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zeropp-job", add_help=True)
+    p.add_argument("--config", default=None)
+    p.add_argument("--zeropp", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--out", default=None)
+    return p
+
+
+def resolve_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """The default (or the user's file), with the command line's overrides applied."""
+    if args.config:
+        load_config(args.config)  # errors name the file and the key before any training starts
+        with open(args.config) as f:
+            cfg = json.load(f)
+    else:
+        cfg = json.loads(json.dumps(DEFAULT_CONFIG))
+    zero = cfg.setdefault("zero_optimization", {})
+    if args.zeropp is not None:
+        zero["zero_quantized_weights"] = args.zeropp
+        zero["zero_quantized_gradients"] = args.zeropp
+        zero["zero_hpz_partition_size"] = (args.ranks_per_node or _ranks_per_node(cfg, world)) if args.zeropp else 1
+    if args.ranks_per_node:
+        cfg.setdefault("topology", {})["ranks_per_node"] = args.ranks_per_node
+    return cfg
+
+
+def _ranks_per_node(cfg: dict[str, Any], world: int) -> int:
+    return (cfg.get("topology") or {}).get("ranks_per_node") or world
+
+
+class Progress:
+    """One status line on a terminal, a plain line every ``every`` steps otherwise."""
+
+    def __init__(self, total: int, every: int) -> None:
+        self.total, self.every = total, max(1, every)
+        self.tty = sys.stdout.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        done = step + 1
+        width = 28
+        bar = "#" * (width * done // self.total) + "-" * (width - width * done // self.total)
+        line = f"[{bar}] step {done}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
+        if self.tty:
+            print("\r" + line, end="" if done < self.total else "\n", flush=True)
+        elif done % self.every == 0 or done == self.total or done == 1:
+            print(line, flush=True)
+
+
+def formula_report(numels: list[int], layout: Layout, rank: int) -> dict[str, dict[str, int]]:
+    """What plain ZeRO-3 would move per step on this rank (bf16), for comparison."""
+    gather = accounting.gather_volume(numels, layout, rank, 2).as_dict()
+    return {"forward_gather": gather, "backward_gather": gather,
+            "grad_reduce": accounting.reduce_scatter_volume(numels, layout, rank, 2).as_dict()}
+
+
+def print_report(measured: dict[str, dict[str, int]], zero3: dict[str, dict[str, int]]) -> None:
+    print("\nCommunication per optimizer step, bytes received by rank 0 (ledger) vs the ZeRO-3 formula:")
+    print(f"{'phase':<16}{'intra-node':>14}{'inter-node':>14}{'ZeRO-3 intra':>16}{'ZeRO-3 inter':>16}")
+    tot = [0, 0, 0, 0]
+    for phase in ("forward_gather", "backward_gather", "grad_reduce"):
+        m, z = measured[phase], zero3[phase]
+        row = [m["intra_node_bytes"], m["inter_node_bytes"], z["intra_node_bytes"], z["inter_node_bytes"]]
+        tot = [a + b for a, b in zip(tot, row)]
+        print(f"{phase:<16}" + "".join(f"{v:>14,}" if i < 2 else f"{v:>16,}" for i, v in enumerate(row)))
+    print(f"{'total':<16}" + "".join(f"{v:>14,}" if i < 2 else f"{v:>16,}" for i, v in enumerate(tot)))
+    if tot[3]:
+        print(f"inter-node bytes vs ZeRO-3: {tot[1] / tot[3]:.3f}x")
+
+
+def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    args = job_parser().parse_args(argv)
+    torch.set_num_threads(1)  # several ranks share few cores
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = resolve_config(args, world)
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd))
+    numels = [p.numel() for p in model.parameters()]
+    engine, _, _, _ = zeropp.initialize(model=model, config=cfg)
+    micro = load_config(cfg).resolve_batch(world)
+    global_batch = micro.micro_batch_per_rank * world
+    tokens = corpus_tokens()
+    if rank == 0:
+        zero = cfg["zero_optimization"]
+        on = [k for k in ZEROPP_KEYS if zero.get(k) not in (None, False, 1)]
+        print(f"zeropp: GPT {model.num_parameters():,} parameters, {world} ranks as "
+              f"{world // engine.topo.ranks_per_node} nodes x {engine.topo.ranks_per_node}, "
+              f"ZeRO-3{' + ' + ', '.join(on) if on else ''}, "
+              f"{'bf16' if cfg.get('bf16', {}).get('enabled') else 'fp32'}", flush=True)
+    progress = Progress(args.steps, args.log_every)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        for micro_step in range(micro.gradient_accumulation_steps):
+            x, y = get_batch(tokens, step * micro.gradient_accumulation_steps + micro_step, global_batch,
+                             args.block_size, args.seed, rank, world)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        value = loss.detach().float().reshape(1)
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss is {losses[-1]} at step {step}")
+        if rank == 0:
+            elapsed = time.perf_counter() - t0
+            progress.update(step, losses[-1], (step + 1) * global_batch * args.block_size *
+                            micro.gradient_accumulation_steps / elapsed)
+    report = engine.comm_report()
+    zero3 = formula_report(numels, Layout(world, engine.topo.ranks_per_node), rank)
+    result = {"losses": losses, "comm": report, "zero3_formula": zero3, "config": cfg,
+              "parameters": model.num_parameters(), "seconds": time.perf_counter() - t0}
+    if rank == 0:
+        print_report(report, zero3)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"wrote {args.out}")
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    run()

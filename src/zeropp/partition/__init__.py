@@ -1,0 +1,1 @@
+"""Flat shard buffers and the arithmetic that places parameters in them."""

@@ -1,0 +1,141 @@
+"""Gather units: the parameters gathered and released together, with their flat shard buffers.
+
+A unit owns, on this rank, one flat row of each kind (see Note [shard layout] in ``spec.py``):
+``shard`` (compute dtype, what is all-gathered), ``master`` (fp32, what the optimizer steps; the same
+tensor as ``shard`` when computing in fp32) and ``grad`` (compute dtype, the reduced gradient shard).
+Each parameter keeps its identity and shape; its data is a view of a padded full-size buffer whose
+storage is freed (resized to 0) while the unit is sharded, so autograd metadata never changes.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from zeropp.partition.spec import RowLayout, ShardSpec, take_chunk
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERED = "gathered"
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One parameter inside a unit: its name, spec and the padded buffer its data views."""
+
+    name: str
+    param: nn.Parameter
+    spec: ShardSpec
+    full: torch.Tensor  # padded 1-D buffer in compute dtype; storage freed while sharded
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def allocate(self) -> None:
+        nbytes = self.spec.padded * self.full.element_size()
+        if self.full.untyped_storage().nbytes() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
+
+
+class Unit:
+    """Parameters that one module gathers before its forward/backward and releases after.
+
+    ``version`` counts weight changes made through the engine; anything derived from the weights (the
+    hpZ secondary copy) records the version it was made from and is stale once they differ.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        module_name: str,
+        named_params: list[tuple[str, nn.Parameter]],
+        world: int,
+        rank: int,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        self.index = index
+        self.module_name = module_name
+        self.world = world
+        self.rank = rank
+        self.compute_dtype = compute_dtype
+        self.state = UnitState.GATHERED
+        self.version = 0
+        self.slots: list[ParamSlot] = []
+        self.row = RowLayout(tuple(ShardSpec(p.numel(), p.shape, world).chunk for _, p in named_params))
+        self.master = torch.zeros(self.row.numel, dtype=torch.float32)
+        for (name, p), off, c in zip(named_params, self.row.offsets, self.row.chunks):
+            spec = ShardSpec(p.numel(), p.shape, world)
+            with torch.no_grad():
+                self.master[off : off + c].copy_(take_chunk(p.detach(), spec, rank, world))
+            full = torch.zeros(spec.padded, dtype=compute_dtype)
+            p.data = full[: spec.numel].view(spec.shape)
+            self.slots.append(ParamSlot(name, p, spec, full))
+        if compute_dtype == torch.float32:
+            self.shard = self.master  # no separate 16-bit copy in fp32 training
+        else:
+            self.shard = self.master.to(compute_dtype)
+        self.grad = torch.zeros(self.row.numel, dtype=compute_dtype)
+        # Fixed views: the optimizer keys its state by tensor identity, so they are made once.
+        self._master_views = self._split(self.master)
+        self._grad_views = self._split(self.grad)
+        self.release()
+
+    def _split(self, row: torch.Tensor) -> list[torch.Tensor]:
+        return [row[o : o + c] for o, c in zip(self.row.offsets, self.row.chunks)]
+
+    # ---- views -----------------------------------------------------------------------------------------
+    def master_views(self) -> list[torch.Tensor]:
+        """Per-parameter views of the fp32 master row: what the optimizer steps (the same objects each call)."""
+        return self._master_views
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """Per-parameter views of the reduced gradient row."""
+        return self._grad_views
+
+    def params(self) -> Iterator[nn.Parameter]:
+        return (s.param for s in self.slots)
+
+    def needs_grad(self) -> int:
+        return sum(1 for s in self.slots if s.param.requires_grad)
+
+    def segment_names(self) -> list[str]:
+        return [s.name for s in self.slots]
+
+    def group_layout(self, group_size: int) -> RowLayout:
+        """Row layout of this unit when the padded parameters are split over ``group_size`` ranks."""
+        return RowLayout(tuple(s.spec.chunk_for(group_size) for s in self.slots))
+
+    # ---- state changes -----------------------------------------------------------------------------------
+    def materialize(self, gathered: torch.Tensor, layout: RowLayout) -> None:
+        """Fill every parameter from a gathered ``[G, layout.numel]`` tensor (rows in group order)."""
+        g = gathered.shape[0]
+        for slot, off, c in zip(self.slots, layout.offsets, layout.chunks):
+            slot.allocate()
+            slot.full.view(g, c).copy_(gathered[:, off : off + c])
+        self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        for slot in self.slots:
+            slot.free()
+        self.state = UnitState.SHARDED
+
+    def full_chunk_row(self, index: int, group_size: int) -> torch.Tensor:
+        """While gathered: this unit's row of chunk ``index`` when split over ``group_size`` ranks."""
+        layout = self.group_layout(group_size)
+        return torch.cat([s.full.view(group_size, c)[index] for s, c in zip(self.slots, layout.chunks)])
+
+    def refresh_shard_from_master(self) -> None:
+        """After the optimizer changed the masters: recast the 16-bit shard and mark derived copies stale."""
+        if self.shard is not self.master:
+            self.shard.copy_(self.master)
+        self.version += 1
+
+    def model_state_tensors(self) -> list[torch.Tensor]:
+        out = [self.master, self.grad]
+        if self.shard is not self.master:
+            out.append(self.shard)
+        return out

@@ -1,0 +1,215 @@
+"""Block-wise symmetric quantizers as plain tensor code: the executable specification.
+
+Every other implementation (``fast.py``, future GPU kernels) must give bit-identical results to this file.
+
+Format (one row; G rows share a ``BlockLayout`` and are independent, so callers can split the data and scales
+evenly across ranks for all-to-all / all-gather):
+
+* per block: ``absmax = max |x|``; fp32 ``scale = absmax / qmax`` (qmax 127 for int8, 7 for int4);
+  ``q = clamp(round_half_to_even(x / scale), -qmax, qmax)`` computed in fp32 (a true division, never
+  ``x * (1 / scale)``, which differs in the last bit for some inputs). An all-zero block has scale 0 and q 0.
+* int8: q as its two's-complement byte, stored in a uint8 tensor (so it can travel on gloo as uint8).
+* int4: ``q + 8`` in a nibble, two per byte, element 2k in the low nibble and 2k+1 in the high nibble; when
+  numel is odd the row ends with one zero nibble of padding.
+* dequantize: ``q * scale`` in fp32, then cast (round to nearest even) to the requested dtype.
+
+Non-finite input (inf or nan) raises ``NonFiniteInputError`` naming the first offending row and segment; the
+check costs nothing extra because max |x| propagates both.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .layout import BlockLayout, layout_index, payload_bytes
+
+__all__ = ["QMAX", "NonFiniteInputError", "QuantizedRows", "dequantize", "quantize"]
+
+QMAX = {8: 127, 4: 7}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class QuantizedRows(NamedTuple):
+    """Quantized rows: ``data`` uint8 [G, payload_bytes(layout, bits)], ``scales`` float32 [G, num_blocks]."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+
+
+class NonFiniteInputError(ValueError):
+    """Raised by ``quantize`` when the input holds inf or nan; ``row`` and ``segment`` locate the first one."""
+
+    def __init__(self, row: int, segment: int) -> None:
+        super().__init__(f"quantize: input row {row}, segment {segment} contains inf or nan")
+        self.row = row
+        self.segment = segment
+
+
+def check_bits(bits: int) -> int:
+    """Return qmax for ``bits`` (8 or 4) or raise ValueError."""
+    if bits not in QMAX:
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    return QMAX[bits]
+
+
+def as_rows(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Validate ``x`` against ``layout`` and view it as [G, numel] (a 1-D input is one row)."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"quantize: dtype must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    if x.dim() != 2 or x.shape[1] != layout.numel:
+        raise ValueError(f"quantize: expected shape [G, {layout.numel}] or [{layout.numel}], got {list(x.shape)}")
+    return x
+
+
+def raise_non_finite(bad_flat_block: int, layout: BlockLayout) -> None:
+    """Raise NonFiniteInputError for the block at row-major index ``bad_flat_block`` of [G, num_blocks]."""
+    row, block = divmod(bad_flat_block, layout.num_blocks)
+    raise NonFiniteInputError(row, int(layout.block_segment()[block]))
+
+
+def check_dequantize_args(q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch.dtype) -> int:
+    """Validate dequantize inputs; return G."""
+    check_bits(bits)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dequantize: dtype must be float32, bfloat16 or float16, got {dtype}")
+    data, scales = q
+    if data.dtype != torch.uint8 or scales.dtype != torch.float32:
+        raise TypeError(f"dequantize: expected uint8 data and float32 scales, got {data.dtype}, {scales.dtype}")
+    g = data.shape[0] if data.dim() == 2 else -1
+    pb = payload_bytes(layout, bits)
+    if data.dim() != 2 or data.shape[1] != pb or tuple(scales.shape) != (g, layout.num_blocks):
+        raise ValueError(
+            f"dequantize: expected data [G, {pb}] and scales [G, {layout.num_blocks}], "
+            f"got {list(data.shape)} and {list(scales.shape)}"
+        )
+    return g
+
+
+def check_out(out: torch.Tensor, g: int, layout: BlockLayout, dtype: torch.dtype) -> None:
+    """``out`` must be contiguous, of ``dtype``, with G * numel elements (any shape, e.g. a flat buffer)."""
+    if out.dtype != dtype or out.numel() != g * layout.numel or not out.is_contiguous():
+        raise ValueError(
+            f"dequantize: out must be a contiguous {dtype} tensor of {g * layout.numel} elements, "
+            f"got {out.dtype} {list(out.shape)}"
+        )
+
+
+def check_quantize_out(out: QuantizedRows, g: int, layout: BlockLayout, bits: int) -> None:
+    """``out`` must hold contiguous uint8 data [G, payload_bytes] and float32 scales [G, num_blocks]."""
+    data, scales = out
+    pb, nb = payload_bytes(layout, bits), layout.num_blocks
+    ok = (data.dtype == torch.uint8 and scales.dtype == torch.float32 and tuple(data.shape) == (g, pb)
+          and tuple(scales.shape) == (g, nb) and data.is_contiguous() and scales.is_contiguous())
+    if not ok:
+        raise ValueError(
+            f"quantize: out must be contiguous uint8 [{g}, {pb}] and float32 [{g}, {nb}], got "
+            f"{data.dtype} {list(data.shape)} and {scales.dtype} {list(scales.shape)}"
+        )
+
+
+def _to_blocks(xf: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """[G, numel] -> [G, num_blocks, block_size]; padding (only in the unaligned case) is zero."""
+    g, bs, nb = xf.shape[0], layout.block_size, layout.num_blocks
+    pos = layout_index(layout, xf.device).scratch_pos
+    if pos is None:  # every segment is a whole number of blocks: a pure reshape
+        return xf.reshape(g, nb, bs)
+    scratch = xf.new_zeros(g, nb * bs)
+    scratch[:, pos] = xf
+    return scratch.view(g, nb, bs)
+
+
+def _from_blocks(blocks: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """[G, num_blocks, block_size] -> [G, numel] in row order (drops the padding)."""
+    g = blocks.shape[0]
+    pos = layout_index(layout, blocks.device).scratch_pos
+    flat = blocks.reshape(g, -1)
+    return flat if pos is None else flat[:, pos]
+
+
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 codes [G, numel] -> uint8 payload [G, payload_bytes]."""
+    if bits == 8:
+        return q.view(torch.uint8)
+    nib = (q + 8).to(torch.uint8)
+    if nib.shape[1] % 2:  # odd numel: pad the row with one zero nibble
+        nib = torch.nn.functional.pad(nib, (0, 1))
+    return nib[:, 0::2] | (nib[:, 1::2] << 4)
+
+
+def _unpack(data: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """uint8 payload [G, payload_bytes] -> int8 codes [G, numel]."""
+    if bits == 8:
+        return data.view(torch.int8)
+    nib = torch.stack((data & 15, data >> 4), dim=-1).reshape(data.shape[0], -1)[:, :numel]
+    return nib.to(torch.int8) - 8
+
+
+def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None) -> QuantizedRows:
+    """Block-wise symmetric abs-max quantization of the rows of ``x``.
+
+    Args:
+        x: [G, numel] or [numel] (one row), float32 / bfloat16 / float16, any device.
+        layout: block structure shared by every row.
+        bits: 8 (int8) or 4 (int4, two per byte).
+        out: optional preallocated QuantizedRows (e.g. views of a collective's send buffer) to write into;
+            its contents are unspecified if an error is raised.
+
+    Returns:
+        QuantizedRows(data uint8 [G, payload_bytes(layout, bits)], scales float32 [G, num_blocks]), or ``out``.
+
+    Raises:
+        NonFiniteInputError: some element is inf or nan (names the first such row and segment).
+    """
+    qmax = check_bits(bits)
+    x = as_rows(x, layout).detach()
+    if out is not None:
+        check_quantize_out(out, x.shape[0], layout, bits)
+    blocks = _to_blocks(x.float(), layout)
+    absmax = blocks.abs().amax(dim=-1)  # [G, nb]; inf and nan propagate
+    bad = ~torch.isfinite(absmax)
+    if bool(bad.any()):
+        raise_non_finite(int(bad.flatten().nonzero()[0]), layout)
+    # True tensor divisions throughout (a scalar divisor may become a reciprocal multiply on some backends).
+    scales = absmax / torch.full_like(absmax, qmax)
+    divisor = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero block: 0 / 1 = 0
+    codes = torch.round(blocks / divisor.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
+    data = _pack(_from_blocks(codes, layout), bits)
+    if out is None:
+        return QuantizedRows(data.contiguous(), scales.contiguous())
+    out.data.copy_(data)
+    out.scales.copy_(scales)
+    return out
+
+
+def dequantize(
+    q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of ``quantize``: ``q * scale`` in float32, cast to ``dtype``.
+
+    Args:
+        q: QuantizedRows as returned by ``quantize`` (possibly after a collective).
+        layout, bits: as given to ``quantize``.
+        dtype: output dtype (float32, bfloat16 or float16).
+        out: optional contiguous ``dtype`` tensor with G * numel elements (any shape) to write into.
+
+    Returns:
+        [G, numel] tensor of ``dtype``, or ``out`` when given.
+    """
+    g = check_dequantize_args(q, layout, bits, dtype)
+    codes = _unpack(q.data, layout.numel, bits)
+    scales = q.scales
+    pos = layout_index(layout, scales.device).scratch_pos
+    if pos is None:
+        y = codes.reshape(g, layout.num_blocks, layout.block_size).float() * scales.unsqueeze(-1)
+    else:
+        y = codes.float() * scales[:, pos // layout.block_size]
+    y = y.reshape(g, layout.numel).to(dtype)
+    if out is None:
+        return y
+    check_out(out, g, layout, dtype)
+    out.view(g, layout.numel).copy_(y)
+    return out

@@ -1,0 +1,174 @@
+"""Rank arithmetic and every process group the library uses, in one file that can be checked by eye.
+
+Ranks are laid out node-major, as torchrun starts them: rank ``r`` lives on node ``r // D`` with local index
+``r % D``, where ``D`` is the number of ranks per node. One host can play several nodes by setting ``D``
+smaller than the real local world size (``topology.ranks_per_node`` in the config).
+
+Groups:
+- world: every rank.
+- intra-node: the ``D`` ranks of one node.
+- inter-node: the ``n = W / D`` ranks that share a local index, one per node (qgZ's second hop).
+- hpZ: groups of ``s`` consecutive ranks (the secondary weight partition); ``s == D`` reuses intra-node.
+
+``torch.distributed.new_group`` must be called by every rank for every group in the same order; ``build``
+does exactly that, once. The resulting ``Topology`` is passed explicitly; there is no global registry.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+
+class TopologyError(ValueError):
+    """A rank layout that cannot work (e.g. ranks_per_node does not divide the world size)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One process group as seen from this rank: its member ranks (global ids, in group order) and handle.
+
+    ``handle`` is ``None`` for the trivial single-rank group and in pure rank-arithmetic use (tests).
+    """
+
+    ranks: tuple[int, ...]
+    handle: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def index_of(self, rank: int) -> int:
+        return self.ranks.index(rank)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Pure rank arithmetic for ``world_size`` ranks, ``ranks_per_node`` to a node."""
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise TopologyError(f"world size must be >= 1, got {self.world_size}")
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise TopologyError(
+                f"topology.ranks_per_node={self.ranks_per_node} must divide the world size {self.world_size}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_of(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def intra_node_ranks(self, node: int) -> tuple[int, ...]:
+        d = self.ranks_per_node
+        return tuple(range(node * d, node * d + d))
+
+    def inter_node_ranks(self, local: int) -> tuple[int, ...]:
+        return tuple(node * self.ranks_per_node + local for node in range(self.num_nodes))
+
+    def hpz_ranks(self, group_index: int, size: int) -> tuple[int, ...]:
+        return tuple(range(group_index * size, group_index * size + size))
+
+    def check_hpz(self, size: int) -> None:
+        """hpZ groups must tile the world; a group larger than a node would cross the slow link."""
+        if size < 1 or self.world_size % size:
+            raise TopologyError(
+                f"zero_optimization.zero_hpz_partition_size={size} must divide the world size {self.world_size}"
+            )
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's position and its groups. Built once by :func:`build` and handed to every layer above."""
+
+    layout: Layout
+    rank: int
+    world: Group
+    intra_node: Group
+    inter_node: Group
+    hpz: Group
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.layout.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return self.layout.num_nodes
+
+    @property
+    def node(self) -> int:
+        return self.layout.node_of(self.rank)
+
+    @property
+    def local_rank(self) -> int:
+        return self.layout.local_of(self.rank)
+
+    def same_node(self, other_rank: int) -> bool:
+        return self.layout.node_of(other_rank) == self.node
+
+
+def default_ranks_per_node(world_size: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE, or every rank on one node when it is not set."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else world_size
+
+
+def build(
+    ranks_per_node: Optional[int] = None,
+    hpz_partition_size: int = 1,
+    new_group: Optional[Callable[[list[int]], Any]] = None,
+) -> Topology:
+    """Create every process group collectively; call on all ranks with the same arguments.
+
+    ``new_group`` defaults to ``torch.distributed.new_group`` and is a parameter only so that the rank
+    arithmetic can be exercised without a process group.
+    """
+    if new_group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: launch with torchrun (or zeropp train)")
+        new_group = lambda ranks: dist.new_group(ranks=ranks)  # noqa: E731
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world_size, rank = _fake_world()
+    layout = Layout(world_size, ranks_per_node or default_ranks_per_node(world_size))
+    layout.check_hpz(hpz_partition_size)
+
+    def make_all(rank_sets: list[tuple[int, ...]]) -> Group:
+        mine = None
+        for ranks in rank_sets:  # every rank creates every group, in the same order
+            handle = new_group(list(ranks))
+            if rank in ranks:
+                mine = Group(ranks, handle)
+        assert mine is not None
+        return mine
+
+    world = Group(tuple(range(world_size)), dist.group.WORLD if dist.is_initialized() else None)
+    intra = make_all([layout.intra_node_ranks(n) for n in range(layout.num_nodes)])
+    inter = make_all([layout.inter_node_ranks(j) for j in range(layout.ranks_per_node)])
+    if hpz_partition_size == layout.ranks_per_node:
+        hpz = intra
+    elif hpz_partition_size == world_size:
+        hpz = world
+    else:
+        s = hpz_partition_size
+        hpz = make_all([layout.hpz_ranks(g, s) for g in range(world_size // s)])
+    return Topology(layout, rank, world, intra, inter, hpz)
+
+
+def _fake_world() -> tuple[int, int]:
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))

@@ -1,0 +1,1 @@
+"""Training-step state machines for the ZeRO stages."""

@@ -1,0 +1,81 @@
+"""Gradient buckets: ``add`` ready gradients -> a full bucket is reduced -> ``finish`` waits -> accumulate.
+
+A bucket is laid out rank-major (row ``r`` holds chunk ``r`` of every parameter in it, see Note [shard
+layout] in ``partition/spec.py``), so the reduce strategy's result row is directly this rank's gradient
+shard of those parameters. One bucket's reduction stays in flight while backward fills the next.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zeropp.comm.strategy import PendingReduce, ReduceStrategy
+from zeropp.partition.unit import Unit
+
+
+@dataclass
+class _Entry:
+    unit: Unit
+    slot: int
+    grad: torch.Tensor  # the full gradient of the parameter (compute dtype)
+
+
+@dataclass
+class _InFlight:
+    pending: PendingReduce
+    entries: list[_Entry]
+
+
+@dataclass
+class GradBuckets:
+    """Collects full gradients until ``capacity`` padded elements, then reduces them as one bucket."""
+
+    reduce: ReduceStrategy
+    world: int
+    capacity: int
+    _ready: list[_Entry] = field(default_factory=list)
+    _size: int = 0
+    _inflight: list[_InFlight] = field(default_factory=list)
+
+    def add(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
+        self._ready.append(_Entry(unit, slot, grad))
+        self._size += unit.slots[slot].spec.padded
+        if self._size >= self.capacity:
+            self.flush()
+
+    def flush(self) -> None:
+        """Start reducing what is ready; complete the previously started bucket (one stays in flight)."""
+        if not self._ready:
+            return
+        entries, self._ready, self._size = self._ready, [], 0
+        cols, segments, names = [], [], []
+        for e in entries:
+            spec = e.unit.slots[e.slot].spec
+            flat = e.grad.reshape(-1)
+            if spec.padded != spec.numel:
+                flat = torch.nn.functional.pad(flat, (0, spec.padded - spec.numel))
+            cols.append(flat.view(self.world, spec.chunk))
+            segments.append(spec.chunk)
+            names.append(e.unit.slots[e.slot].name)
+        bucket = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0].contiguous()
+        pending = self.reduce.start(bucket, segments, names)
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+        self._inflight.append(_InFlight(pending, entries))
+
+    def finish(self) -> None:
+        """Reduce everything still pending and accumulate it into the owning gradient shards."""
+        self.flush()
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+
+    @staticmethod
+    def _complete(job: _InFlight) -> None:
+        row = job.pending.finish()
+        off = 0
+        for e in job.entries:
+            c = e.unit.slots[e.slot].spec.chunk
+            shard = e.unit.grad_views()[e.slot]
+            shard.add_(row[off : off + c].to(shard.dtype))
+            off += c

@@ -1,0 +1,381 @@
+"""The ZeRO-3 engine: parameters, gradients and optimizer state all partitioned over the world.
+
+One step, as the engine sees it (see docs/architecture.md for the whole picture):
+1. forward: a unit's pre-forward hook gathers its weights (``strategies.forward_gather``) and prefetches
+   the unit that ran next last time; its post-forward hook hooks the outputs for backward and releases.
+2. backward: the first gradient reaching a unit's outputs gathers it again (``strategies.backward_gather``);
+   each parameter's post-accumulate-grad hook hands the full gradient to the buckets, and the unit is
+   released once all its gradients are in. Full buckets are reduced (``strategies.reduce``) into shards.
+3. step (at an accumulation boundary): fp32 gradients, global-norm clipping, optimizer step on the fp32
+   master shards, recast to the 16-bit shards, version bump (which makes any hpZ copy stale).
+
+The engine holds no ZeRO++ flag: which gather and reduce run is decided by the strategies it is handed.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from zeropp.comm.ledger import CommLedger, Phase
+from zeropp.comm.ops import Comm
+from zeropp.comm.strategy import GatherStrategy, PendingGather, ReduceStrategy
+from zeropp.partition.assign import plan_units
+from zeropp.partition.unit import Unit, UnitState
+from zeropp.topology import Topology
+from zeropp.zero.buckets import GradBuckets
+
+
+@dataclass(frozen=True)
+class Strategies:
+    """How weights are gathered in each pass and how gradients are reduced."""
+
+    forward_gather: GatherStrategy
+    backward_gather: GatherStrategy
+    reduce: ReduceStrategy
+
+
+@dataclass(frozen=True)
+class TrainPolicy:
+    """The numeric settings of a training step."""
+
+    compute_dtype: torch.dtype = torch.float32
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    reduce_bucket_size: int = 500_000_000
+
+
+class Pass(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+_LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
+
+
+class Stage3Engine:
+    """Wraps a model for ZeRO-3 training; build it with :func:`zeropp.initialize`.
+
+    Use it like DeepSpeed's engine: ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        topo: Topology,
+        ledger: CommLedger,
+        strategies: Strategies,
+        policy: TrainPolicy,
+        make_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
+        make_scheduler: Callable[[torch.optim.Optimizer], Any] = lambda opt: None,
+        trainable: Optional[set[int]] = None,
+    ) -> None:
+        self.module = module
+        self.topo = topo
+        self.ledger = ledger
+        self.comm = Comm(topo, ledger)
+        self.strategies = strategies
+        self.policy = policy
+        self._cast_buffers(policy.compute_dtype)
+        self.units = self._build_units(module)
+        self.buckets = GradBuckets(strategies.reduce, topo.world_size, policy.reduce_bucket_size)
+        masters = [
+            (slot.name, view)
+            for u in self.units
+            for slot, view in zip(u.slots, u.master_views())
+            if slot.param.requires_grad and (trainable is None or id(slot.param) in trainable)
+        ]
+        self.optimizer = make_optimizer(masters)
+        self.lr_scheduler = make_scheduler(self.optimizer)
+        self._pass: Optional[Pass] = None
+        self._inflight: dict[Unit, PendingGather] = {}
+        self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
+        self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
+        self._grads_missing: dict[Unit, int] = {}
+        self._backward_open = False
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._global_grad_norm: Optional[float] = None
+        self._skipped = False
+        self.ledger.reset()  # set-up traffic is not a training step
+
+    # ---- construction ------------------------------------------------------------------------------------
+    def _cast_buffers(self, dtype: torch.dtype) -> None:
+        for buf_owner in self.module.modules():
+            for name, buf in buf_owner.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    setattr(buf_owner, name, buf.to(dtype))
+
+    def _build_units(self, module: nn.Module) -> list[Unit]:
+        units = []
+        for i, plan in enumerate(plan_units(module)):
+            unit = Unit(i, plan.module_name, plan.params, self.topo.world_size, self.topo.rank,
+                        self.policy.compute_dtype)
+            plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
+            plan.module.register_forward_hook(self._make_post_forward(unit))
+            for slot_index, slot in enumerate(unit.slots):
+                if slot.param.requires_grad:
+                    slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
+            units.append(unit)
+        return units
+
+    # ---- hooks -------------------------------------------------------------------------------------------
+    def _make_pre_forward(self, unit: Unit) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            current = Pass.BACKWARD if self._backward_open else Pass.FORWARD
+            self._gather(unit, current)
+        return hook
+
+    def _make_post_forward(self, unit: Unit) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.is_grad_enabled() and unit.needs_grad():
+                self._hook_outputs_for_backward(unit, output)
+            current = Pass.BACKWARD if self._backward_open else Pass.FORWARD
+            self._release(unit, current)
+        return hook
+
+    def _hook_outputs_for_backward(self, unit: Unit, output: Any) -> None:
+        def on_output_grad(grad: torch.Tensor) -> torch.Tensor:
+            if unit.state is UnitState.SHARDED:
+                self._gather(unit, Pass.BACKWARD)
+            return grad
+
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(on_output_grad)
+
+    def _make_grad_hook(self, unit: Unit, slot_index: int) -> Callable:
+        def hook(param: nn.Parameter) -> None:
+            grad, param.grad = param.grad, None
+            self.buckets.add(unit, slot_index, grad)
+            left = self._grads_missing.get(unit, unit.needs_grad()) - 1
+            self._grads_missing[unit] = left
+            if left == 0 and unit.state is UnitState.GATHERED:
+                self._release(unit, Pass.BACKWARD)
+        return hook
+
+    # ---- gather / release / prefetch ---------------------------------------------------------------------
+    def _strategy(self, which: Pass) -> GatherStrategy:
+        return self.strategies.forward_gather if which is Pass.FORWARD else self.strategies.backward_gather
+
+    def _gather(self, unit: Unit, which: Pass) -> None:
+        if unit.state is UnitState.GATHERED:
+            return
+        order = self._order[which]
+        order.append(unit)
+        pending = self._inflight.pop(unit, None)
+        if pending is None:
+            pending = self._strategy(which).start(unit, _LEDGER_PHASE[which])
+        self._prefetch(which, len(order) - 1)
+        rows, layout = pending.finish()
+        unit.materialize(rows, layout)
+
+    def _prefetch(self, which: Pass, position: int) -> None:
+        """Start gathering the unit that followed this one last time, so it overlaps this unit's compute."""
+        last = self._last_order[which]
+        if position + 1 >= len(last) or last[position] is not self._order[which][position]:
+            return
+        nxt = last[position + 1]
+        if nxt.state is UnitState.SHARDED and nxt not in self._inflight:
+            self._inflight[nxt] = self._strategy(which).start(nxt, _LEDGER_PHASE[which])
+
+    def _release(self, unit: Unit, which: Pass) -> None:
+        if unit.state is UnitState.GATHERED:
+            self._strategy(which).on_release(unit)
+            unit.release()
+
+    def _drain_prefetches(self, which: Pass) -> None:
+        """Complete and drop prefetches that were not used (the model took another path this time)."""
+        for unit, pending in list(self._inflight.items()):
+            pending.finish()
+        self._inflight.clear()
+        self._last_order[which], self._order[which] = self._order[which], []
+
+    # ---- public training API -----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward, gathering each unit's weights just in time."""
+        cast = lambda t: (  # noqa: E731 - floating inputs follow the compute dtype, as the weights do
+            t.to(self.policy.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        )
+        args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        self._order[Pass.FORWARD] = []
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._drain_prefetches(Pass.FORWARD)
+            for unit in self.units:  # a unit whose forward raised is still gathered
+                self._release(unit, Pass.FORWARD)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss / gradient_accumulation_steps``, reducing gradients into the owning shards."""
+        gas = self.policy.gradient_accumulation_steps
+        self._backward_open = True
+        self._grads_missing = {}
+        self._order[Pass.BACKWARD] = []
+        try:
+            (loss / gas if gas > 1 else loss).backward()
+        finally:
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
+        self.buckets.finish()
+        self._drain_prefetches(Pass.BACKWARD)
+        for unit in self.units:
+            self._release(unit, Pass.BACKWARD)
+        self._backward_open = False
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.policy.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Count a micro-step; at an accumulation boundary, step the optimizer on the master shards."""
+        if self._backward_open:
+            self._finish_backward()
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self._optimizer_step()
+        self.global_steps += 1
+        self.ledger.close_step()
+
+    def _optimizer_step(self) -> None:
+        grads = [u.grad.float() for u in self.units]  # transient fp32 copies for the optimizer
+        sq = torch.zeros(1, dtype=torch.float64)
+        for g in grads:
+            sq += g.double().pow(2).sum()
+        self.comm.all_reduce(sq, self.topo.world, Phase.OTHER)
+        norm = math.sqrt(sq.item())
+        self._global_grad_norm = norm
+        self._skipped = not math.isfinite(norm)
+        if self._skipped:
+            self._report_non_finite()
+        else:
+            clip = self.policy.gradient_clipping
+            if clip > 0 and norm > clip:
+                coef = clip / (norm + 1e-6)
+                for g in grads:
+                    g.mul_(coef)
+            for u, g in zip(self.units, grads):
+                for view, o, c in zip(u.master_views(), u.row.offsets, u.row.chunks):
+                    view.grad = g[o : o + c]
+            self._step_optimizer_masters()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        for u in self.units:
+            u.grad.zero_()
+
+    def _step_optimizer_masters(self) -> None:
+        self.optimizer.step()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        for u in self.units:
+            u.refresh_shard_from_master()
+
+    def _report_non_finite(self) -> None:
+        bad = [
+            f"{s.name}" for u in self.units for s, g in zip(u.slots, u.grad_views())
+            if not torch.isfinite(g).all()
+        ]
+        where = f"non-finite gradient shard on rank {self.topo.rank} in: {', '.join(bad)}" if bad else (
+            "non-finite gradient on another rank")
+        warnings.warn(f"step {self.global_steps} skipped: global gradient norm is not finite ({where})",
+                      RuntimeWarning, stacklevel=3)
+
+    def was_step_skipped(self) -> bool:
+        return self._skipped
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The global gradient norm before clipping, as computed at the last optimizer step."""
+        return self._global_grad_norm
+
+    def train(self, mode: bool = True) -> "Stage3Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Stage3Engine":
+        return self.train(False)
+
+    def parameters(self):  # noqa: ANN201 - mirrors nn.Module
+        return self.module.parameters()
+
+    # ---- weights in and out ------------------------------------------------------------------------------
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full fp32 state dict (``model.state_dict()``'s keys) on every rank, gathered from the masters."""
+        full: dict[int, torch.Tensor] = {}
+        world = self.topo.world
+        for u in self.units:
+            rows = torch.empty(world.size, u.row.numel, dtype=torch.float32)
+            self.comm.all_gather(rows, u.master, world, Phase.OTHER)
+            for slot, off, c in zip(u.slots, u.row.offsets, u.row.chunks):
+                flat = rows[:, off : off + c].reshape(-1)[: slot.spec.numel]
+                full[id(slot.param)] = flat.view(slot.spec.shape).clone()
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in full:
+                out[name] = full[id(t)]
+            else:
+                out[name] = t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
+        return out
+
+    def load_consolidated_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Overwrite the master weights (and 16-bit shards) from a full state dict; stale copies are dropped."""
+        names = {id(t): n for n, t in self.module.state_dict(keep_vars=True).items()}
+        with torch.no_grad():
+            for u in self.units:
+                for slot, view in zip(u.slots, u.master_views()):
+                    name = names[id(slot.param)]
+                    if name not in state:
+                        raise KeyError(f"state dict has no entry for parameter {name}")
+                    src = state[name].detach().reshape(-1).float()
+                    if src.numel() != slot.spec.numel:
+                        raise ValueError(f"{name}: expected {slot.spec.numel} elements, got {src.numel()}")
+                    start, stop = slot.spec.owned(self.topo.rank)
+                    view.zero_()
+                    view[: stop - start].copy_(src[start:stop])
+                u.refresh_shard_from_master()
+
+    # ---- reports -----------------------------------------------------------------------------------------
+    def comm_report(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank received in the last completed step, by phase and link."""
+        return self.ledger.last_step_report()
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of the model-state tensors this rank holds, by kind, measured from the tensors.
+
+        Optimizer state counts the tensors shaped like a shard (Adam's moments, SGD's momentum); per
+        parameter scalars such as Adam's step counter are bookkeeping, not model state, and are left out.
+        """
+        seen: set[int] = set()
+
+        def size(t: torch.Tensor) -> int:
+            key = t.untyped_storage().data_ptr()
+            if key in seen or t.untyped_storage().nbytes() == 0:
+                return 0
+            seen.add(key)
+            return t.untyped_storage().nbytes()
+
+        out = {
+            "master_fp32": sum(size(u.master) for u in self.units),
+            "shard_16bit": sum(size(u.shard) for u in self.units),
+            "grad_shard": sum(size(u.grad) for u in self.units),
+            "optimizer_state": 0,
+            "gathered_params": sum(size(s.full) for u in self.units for s in u.slots),
+        }
+        for state in self.optimizer.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    out["optimizer_state"] += size(t)
+        held = self.strategies.forward_gather.held_tensors() + self.strategies.backward_gather.held_tensors()
+        out["hpz_secondary"] = sum(size(t) for t in held)
+        out["total"] = sum(out.values())
+        return out

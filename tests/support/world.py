@@ -1,0 +1,67 @@
+"""Start a world of gloo processes once, run one function on every rank, collect what each returns.
+
+Process start-up dominates on two cores, so a test module starts a world once (module-scoped fixture) and
+its worker function runs every scenario, returning plain results for the tests to assert on.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, ranks_per_node: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(ranks_per_node),
+                      LOCAL_RANK=str(rank % ranks_per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result: Any = ("ok", fn(rank, world, *args))
+    except BaseException as err:  # the parent re-raises with the rank's traceback
+        result = ("error", f"rank {rank}: {err!r}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None = None, timeout: float = 600) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in rank order."""
+    rpn = ranks_per_node or world
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, rpn, port, out_dir, fn, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                raise TimeoutError(f"world of {world} did not finish in {timeout}s")
+        results = []
+        for r in range(world):
+            path = os.path.join(out_dir, f"{r}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} exited with code {procs[r].exitcode} and no result")
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                raise RuntimeError(value)
+            results.append(value)
+        return results

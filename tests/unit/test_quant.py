@@ -1,0 +1,301 @@
+"""Block-wise quantizers: error bounds, format, edge cases, and the fast path's bit-identity with the spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeropp.quant import (
+    BlockLayout,
+    NonFiniteInputError,
+    QuantizedRows,
+    dequantize,
+    fast_available,
+    payload_bytes,
+    quantize,
+)
+from zeropp.quant import blockwise as spec
+from zeropp.quant import fast
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BITS = (8, 4)
+QMAX = {8: 127, 4: 7}
+# Unit roundoff of the output dtype (half an ulp relative to |y|) and its smallest subnormal.
+UNIT_ROUNDOFF = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+MIN_SUBNORMAL = {torch.float32: 0.0, torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}
+
+needs_fast = pytest.mark.skipif(not fast_available(), reason="fast kernel not built (no C compiler?)")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _elem_block(layout: BlockLayout) -> torch.Tensor:
+    starts = layout.block_starts()
+    return torch.repeat_interleave(torch.arange(layout.num_blocks), starts[1:] - starts[:-1])
+
+
+def error_bound(x: torch.Tensor, layout: BlockLayout, bits: int) -> torch.Tensor:
+    """Per-element bound on |dequantize(quantize(x)) - x| (float64), for output dtype = x.dtype.
+
+    With s = fl(absmax / qmax) (relative error <= 2^-24) and q = round(fl(x / s)):
+      |round(fl(x/s)) - x/s| <= 1/2 + |x/s| 2^-24 <= 1/2 + 128 * 2^-24      (|x/s| <= qmax (1 + 2^-24))
+      |fl(q s) - q s|        <= |q s| 2^-24 <= 128 s 2^-24
+    so the fp32 result y32 satisfies |y32 - x| <= s/2 (1 + 512 * 2^-24) <= absmax/(2 qmax) (1 + 2^-14) =: e.
+    Clamping never hurts: it only changes q when |x/s| exceeds qmax, and then |x| <= absmax = qmax s (to
+    rounding). The final cast to a 16-bit dtype rounds to nearest, adding at most half an ulp of |y32|:
+    u |y32| <= u (|x| + e) with u = 2^-8 (bf16) or 2^-11 (fp16), plus half the smallest subnormal where y32
+    falls in the subnormal range. Scales must be normal fp32 numbers (true for any input with absmax >= 2^-119).
+    """
+    xr = x.reshape(-1, layout.numel).double()
+    absmax = torch.zeros(xr.shape[0], layout.num_blocks, dtype=torch.float64)
+    if layout.numel:
+        idx = _elem_block(layout).expand_as(xr)
+        absmax.scatter_reduce_(1, idx, xr.abs(), reduce="amax")
+        e = absmax.gather(1, idx) / (2 * QMAX[bits]) * (1 + 2.0**-14)
+    else:
+        e = torch.zeros_like(xr)
+    u, sub = UNIT_ROUNDOFF[x.dtype], MIN_SUBNORMAL[x.dtype]
+    return e + 0.5 * u * (xr.abs() + e) + sub / 2
+
+
+def _skewed(g: int, layout: BlockLayout, seed: int) -> torch.Tensor:
+    """Small values with one large outlier per block (the case block-wise scaling exists for)."""
+    x = torch.randn(g, layout.numel, generator=_gen(seed)) * 1e-2
+    x[:, layout.block_starts()[:-1]] = 50.0
+    return x
+
+
+# (name, rows G, layout, input builder) covering random, skewed, tiny, odd-sized and multi-segment inputs.
+CASES = [
+    ("random", 3, BlockLayout((1024,), 64), lambda g, lay: torch.randn(g, lay.numel, generator=_gen(1))),
+    ("skewed", 2, BlockLayout((640,), 64), lambda g, lay: _skewed(g, lay, 2)),
+    ("numel1", 2, BlockLayout((1,), 8), lambda g, lay: torch.randn(g, 1, generator=_gen(3))),
+    ("numel3", 1, BlockLayout((3,), 2), lambda g, lay: torch.tensor([[0.5, -3.0, 1e-3]])),
+    ("odd", 3, BlockLayout((1001,), 64), lambda g, lay: torch.randn(g, lay.numel, generator=_gen(4)) * 10),
+    ("segments", 4, BlockLayout((3, 0, 130, 0, 64, 7, 1), 16),
+     lambda g, lay: torch.randn(g, lay.numel, generator=_gen(5)) * torch.logspace(-2, 2, lay.numel)),
+    ("segments_skewed", 2, BlockLayout((0, 33, 17, 0, 96), 32), lambda g, lay: _skewed(g, lay, 6)),
+]
+CASE_IDS = [c[0] for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", BITS)
+def test_round_trip_error_bound(case, dtype, bits):
+    _, g, layout, build = case
+    x = build(g, layout).to(dtype)
+    for impl_q, impl_dq in ((spec.quantize, spec.dequantize), (quantize, dequantize)):
+        q = impl_q(x, layout, bits)
+        assert q.data.dtype == torch.uint8 and tuple(q.data.shape) == (g, payload_bytes(layout, bits))
+        assert q.scales.dtype == torch.float32 and tuple(q.scales.shape) == (g, layout.num_blocks)
+        y = impl_dq(q, layout, bits, dtype)
+        assert y.dtype == dtype and tuple(y.shape) == (g, layout.numel)
+        err = (y.double() - x.double()).abs()
+        bound = error_bound(x, layout, bits)
+        assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", BITS)
+def test_all_zero_round_trip_is_exact(dtype, bits):
+    layout = BlockLayout((5, 0, 64, 3), 16)
+    x = torch.zeros(2, layout.numel, dtype=dtype)
+    x[1, :5] = -0.0
+    x[1, 5:69] = torch.linspace(-1, 1, 64)  # a non-zero segment next to all-zero blocks
+    for impl_q, impl_dq in ((spec.quantize, spec.dequantize), (quantize, dequantize)):
+        q = impl_q(x, layout, bits)
+        assert bool((q.scales[0] == 0).all()) and q.scales[1, 0] == 0 and q.scales[1, -1] == 0
+        zero_byte = 0 if bits == 8 else 0x88  # int4 stores q + 8 = 8 in both nibbles
+        assert bool((q.data[0] == zero_byte).all())  # numel is even: no padding nibble in this row
+        y = impl_dq(q, layout, bits, dtype)
+        assert not bool(y.isnan().any())
+        assert torch.equal(y[0], x[0]) and torch.equal(y[1, :5], x[1, :5]) and torch.equal(y[1, 69:], x[1, 69:])
+
+
+def test_int8_format_and_round_half_to_even():
+    layout = BlockLayout((6,), 6)
+    x = torch.tensor([127.0, -127.0, 2.5, -2.5, 3.5, 0.4])  # scale exactly 1
+    for impl in (spec.quantize, quantize):
+        q = impl(x, layout, 8)
+        assert q.scales.tolist() == [[1.0]]
+        assert q.data.tolist() == [[127, 129, 2, 254, 4, 0]]  # two's complement bytes; 2.5 -> 2, 3.5 -> 4
+
+
+def test_int4_packing_order_and_padding():
+    layout = BlockLayout((3,), 4)
+    x = torch.tensor([7.0, -7.0, 0.0])  # scale 1 -> q = [7, -7, 0] -> nibbles [15, 1, 8]
+    for impl_q, impl_dq in ((spec.quantize, spec.dequantize), (quantize, dequantize)):
+        q = impl_q(x, layout, 4)
+        assert q.data.tolist() == [[0x1F, 0x08]]  # first element in the low nibble; zero nibble pad
+        assert impl_dq(q, layout, 4, torch.float32).tolist() == [[7.0, -7.0, 0.0]]
+    # Across segments with odd lengths the nibble stream continues in row order (blocks do not realign bytes).
+    layout = BlockLayout((1, 2), 2)
+    q = spec.quantize(torch.tensor([7.0, -7.0, 7.0]), layout, 4)
+    assert q.data.tolist() == [[0x1F, 0x0F]]
+
+
+def test_payload_bytes_and_layout():
+    layout = BlockLayout((3, 0, 130, 0, 64, 7), 16)
+    assert layout.numel == 204 and layout.num_blocks == 1 + 9 + 4 + 1
+    assert layout.block_segment().tolist() == [0] + [2] * 9 + [4] * 4 + [5]
+    assert layout.block_starts()[:3].tolist() == [0, 3, 19] and int(layout.block_starts()[-1]) == 204
+    assert payload_bytes(layout, 8) == 204 and payload_bytes(layout, 4) == 102
+    assert payload_bytes(BlockLayout((7,), 2), 4) == 4 and payload_bytes(BlockLayout((0, 0), 2), 4) == 0
+    assert BlockLayout([4, 4], 4).aligned and not BlockLayout((4, 3), 4).aligned
+    for bad in (((4,), 3), ((4,), 0), ((-1,), 4)):
+        with pytest.raises(ValueError):
+            BlockLayout(*bad)
+    with pytest.raises(ValueError):
+        payload_bytes(layout, 2)
+
+
+def test_block_never_straddles_segments():
+    """A 5-element segment of huge values next to tiny ones: the tiny ones keep their relative precision."""
+    tiny = torch.linspace(1e-4, 1e-3, 123)
+    x = torch.cat([torch.full((5,), 1e4), tiny])
+    split = BlockLayout((5, 123), 64)
+    merged = BlockLayout((128,), 64)  # what a bucket-wide blocking would do: first block mixes both
+    for impl_q, impl_dq in ((spec.quantize, spec.dequantize), (quantize, dequantize)):
+        y = impl_dq(impl_q(x, split, 8), split, 8, torch.float32)[0, 5:]
+        assert bool(((y - tiny).abs() <= tiny.max() / 254 * 1.001).all())
+        assert bool(((y - tiny).abs() / tiny <= 0.05).all())  # relative precision kept
+        y_merged = impl_dq(impl_q(x, merged, 8), merged, 8, torch.float32)[0, 5:59]
+        assert bool((y_merged == 0).all())  # all flushed to zero by the huge scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_non_finite_raises_with_row_and_segment(dtype, bits, bad):
+    layout = BlockLayout((10, 0, 20, 30), 8)
+    for impl in (spec.quantize, quantize):
+        x = torch.randn(3, layout.numel, generator=_gen(7)).to(dtype)
+        x[2, 10 + 20 + 17] = bad  # row 2, segment 3
+        with pytest.raises(NonFiniteInputError) as info:
+            impl(x, layout, bits)
+        assert (info.value.row, info.value.segment) == (2, 3)
+        assert "row 2" in str(info.value) and "segment 3" in str(info.value)
+        x[1, 12] = bad  # an earlier one (row-major) is reported first: row 1, segment 2
+        with pytest.raises(NonFiniteInputError) as info:
+            impl(x, layout, bits)
+        assert (info.value.row, info.value.segment) == (1, 2)
+        assert isinstance(info.value, ValueError)
+
+
+def test_one_dimensional_input_and_argument_checks():
+    layout = BlockLayout((10,), 4)
+    x = torch.randn(10, dtype=torch.bfloat16)
+    q = quantize(x, layout, 8)
+    assert q.data.shape == (1, 10) and dequantize(q, layout, 8, torch.bfloat16).shape == (1, 10)
+    with pytest.raises(ValueError):
+        quantize(x, layout, 3)
+    with pytest.raises(ValueError):
+        quantize(torch.randn(11), layout, 8)
+    with pytest.raises(TypeError):
+        quantize(torch.ones(10, dtype=torch.int32), layout, 8)
+    with pytest.raises(ValueError):
+        dequantize(QuantizedRows(q.data, q.scales[:, :1]), layout, 8, torch.float32)
+
+
+def test_empty_layout():
+    layout = BlockLayout((0, 0), 4)
+    for impl_q, impl_dq in ((spec.quantize, spec.dequantize), (quantize, dequantize)):
+        q = impl_q(torch.zeros(2, 0), layout, 4)
+        assert q.data.shape == (2, 0) and q.scales.shape == (2, 0)
+        assert impl_dq(q, layout, 4, torch.float16).shape == (2, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fast path: bit-identical to the spec (data and scales exactly equal, dequantized outputs torch.equal).
+
+
+def _assert_identical(x: torch.Tensor, layout: BlockLayout, bits: int) -> None:
+    a, b = fast.quantize(x, layout, bits), spec.quantize(x, layout, bits)
+    assert torch.equal(a.data, b.data), "data differs"
+    assert torch.equal(a.scales, b.scales), "scales differ"
+    for dtype in DTYPES:
+        ya, yb = fast.dequantize(a, layout, bits, dtype), spec.dequantize(b, layout, bits, dtype)
+        assert ya.dtype == yb.dtype == dtype and torch.equal(ya, yb), f"dequantize to {dtype} differs"
+
+
+@needs_fast
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("bits", BITS)
+def test_fast_bit_identical_cases(case, bits):
+    _, g, layout, build = case
+    x = build(g, layout)
+    for dtype in DTYPES:
+        _assert_identical(x.to(dtype), layout, bits)
+    zeros = torch.zeros(g, layout.numel)
+    _assert_identical(zeros, layout, bits)
+
+
+@needs_fast
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_bit_identical_random_layouts(seed):
+    """Random segment lists (odd lengths, zero-length, tiny blocks) and values spanning the dtype's range,
+    including subnormals and the largest finite values."""
+    gen = _gen(100 + seed)
+    nseg = int(torch.randint(1, 9, (1,), generator=gen))
+    segs = torch.randint(0, 200, (nseg,), generator=gen)
+    segs[torch.rand(nseg, generator=gen) < 0.25] = 0
+    block_size = [2, 4, 6, 16, 64, 256][seed]
+    layout = BlockLayout(tuple(segs.tolist()), block_size)
+    g = int(torch.randint(1, 4, (1,), generator=gen))
+    for dtype in DTYPES:
+        finfo = torch.finfo(dtype)
+        # log-uniform magnitudes from below the smallest normal to the largest finite value
+        lo, hi = torch.log2(torch.tensor(finfo.tiny)) - 8, torch.log2(torch.tensor(finfo.max))
+        exps = lo + (hi - lo) * torch.rand(g, layout.numel, generator=gen, dtype=torch.float64)
+        signs = torch.randint(0, 2, (g, layout.numel), generator=gen) * 2 - 1
+        x = (signs * torch.exp2(exps)).to(dtype)
+        x[torch.rand(g, layout.numel, generator=gen) < 0.1] = 0
+        x[:, :1] = finfo.max if layout.numel else x[:, :1]
+        for bits in BITS:
+            _assert_identical(x, layout, bits)
+
+
+@needs_fast
+@pytest.mark.parametrize("bits", BITS)
+def test_fast_multithreaded_odd_segments(bits):
+    """Large enough to split over threads; odd segment lengths put int4 blocks on odd nibble offsets."""
+    segs = (1, *([2047] * 150), 0, 3, 4096 * 80)
+    layout = BlockLayout(segs, 4096)
+    assert layout.numel > 2 * fast._MIN_ELEMS_PER_THREAD
+    x = torch.randn(1, layout.numel, generator=_gen(9)).to(torch.bfloat16)
+    _assert_identical(x, layout, bits)
+    x2 = torch.randn(2, layout.numel // 2 + 1, generator=_gen(10))
+    half = BlockLayout((7, layout.numel // 2 - 6), 64)
+    _assert_identical(x2, half, bits)
+
+
+@needs_fast
+def test_fast_out_arguments():
+    layout = BlockLayout((100, 0, 33), 16)
+    x = torch.randn(3, layout.numel, generator=_gen(11), dtype=torch.float32).to(torch.bfloat16)
+    for bits in BITS:
+        ref = spec.quantize(x, layout, bits)
+        for impl_q, impl_dq in ((spec.quantize, spec.dequantize), (quantize, dequantize)):
+            buf = QuantizedRows(torch.empty_like(ref.data), torch.empty_like(ref.scales))
+            got = impl_q(x, layout, bits, out=buf)
+            assert got is buf and torch.equal(buf.data, ref.data) and torch.equal(buf.scales, ref.scales)
+            flat = torch.empty(3 * layout.numel, dtype=torch.bfloat16)  # any shape with the right numel
+            assert impl_dq(ref, layout, bits, torch.bfloat16, out=flat) is flat
+            assert torch.equal(flat.view(3, -1), spec.dequantize(ref, layout, bits, torch.bfloat16))
+            with pytest.raises(ValueError):
+                impl_dq(ref, layout, bits, torch.float32, out=flat)
+
+
+def test_dispatch_falls_back_to_spec_without_kernel(monkeypatch):
+    monkeypatch.setattr(fast, "_lib", None)
+    monkeypatch.setattr(fast, "_tried", True)
+    assert not fast_available()
+    layout = BlockLayout((5, 9), 4)
+    x = torch.randn(2, 14, generator=_gen(12))
+    q = quantize(x, layout, 4)
+    ref = spec.quantize(x, layout, 4)
+    assert torch.equal(q.data, ref.data) and torch.equal(q.scales, ref.scales)
+    assert torch.equal(dequantize(q, layout, 4, torch.float16), spec.dequantize(ref, layout, 4, torch.float16))
