@@ -7,7 +7,9 @@ For bf16 (32M elements) and fp32 (16M elements), int8 and int4, this times in on
   fast        the same, letting the functions allocate their outputs
   spec        the reference (blockwise.py), allocating
 Throughput is input bytes / second of the round trip (quantize then dequantize); ratios are to copy, except
-the allocating fast path, which is compared with clone as well. Median of --reps runs after --warmup runs.
+the allocating fast path, which is compared with clone as well. The ops are timed round-robin (one of each per
+round, --warmup rounds discarded, --reps rounds kept); GB/s are from per-op medians, ratios are the median of
+the per-round ratios, which cancels most of the background load of a shared machine.
 
 Usage: python bench/bench_quant.py [--block-size 2048] [--reps 9] [--spec-reps 3] [--out bench/results/quant.json]
 """
@@ -31,15 +33,17 @@ from zeropp.quant import blockwise
 MB = 1 << 20
 
 
-def median_seconds(fn: Callable[[], object], reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def time_interleaved(ops: dict[str, Callable[[], object]], reps: int, warmup: int) -> dict[str, list[float]]:
+    """Time every op once per round, round after round, so that all ops see the same background load (the
+    machine is shared: a copy measured a minute apart can differ 2x). Returns the per-round times."""
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for rnd in range(warmup + reps):
+        for name, fn in ops.items():
+            t0 = time.perf_counter()
+            fn()
+            if rnd >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def bench_case(dtype: torch.dtype, layout: BlockLayout, bits: int, args: argparse.Namespace) -> dict:
@@ -49,29 +53,32 @@ def bench_case(dtype: torch.dtype, layout: BlockLayout, bits: int, args: argpars
     dst = torch.empty_like(x)
     qout = QuantizedRows(torch.empty(1, payload_bytes(layout, bits), dtype=torch.uint8),
                          torch.empty(1, layout.num_blocks, dtype=torch.float32))
-    r, w = args.reps, args.warmup
-    # Interleave nothing else: each measurement is a tight loop over one operation.
-    t = {
-        "copy": median_seconds(lambda: dst.copy_(x), r, w),
-        "clone": median_seconds(lambda: x.clone(), r, w),
-        "fast_out": median_seconds(
-            lambda: dequantize(quantize(x, layout, bits, out=qout), layout, bits, dtype, out=dst), r, w),
-        "fast_alloc": median_seconds(lambda: dequantize(quantize(x, layout, bits), layout, bits, dtype), r, w),
-        "fast_q_out": median_seconds(lambda: quantize(x, layout, bits, out=qout), r, w),
-        "spec": median_seconds(
-            lambda: blockwise.dequantize(blockwise.quantize(x, layout, bits), layout, bits, dtype),
-            args.spec_reps, 1),
+    ops = {
+        "copy": lambda: dst.copy_(x),
+        "fast_out": lambda: dequantize(quantize(x, layout, bits, out=qout), layout, bits, dtype, out=dst),
+        "fast_q_out": lambda: quantize(x, layout, bits, out=qout),
+        "fast_dq_out": lambda: dequantize(qout, layout, bits, dtype, out=dst),
+        "clone": lambda: x.clone(),
+        "fast_alloc": lambda: dequantize(quantize(x, layout, bits), layout, bits, dtype),
     }
-    t["fast_dq_out"] = median_seconds(lambda: dequantize(qout, layout, bits, dtype, out=dst), r, w)
-    gbs = {k: nbytes / v / 1e9 for k, v in t.items()}
+    times = time_interleaved(ops, args.reps, args.warmup)
+    spec_op = {"spec": lambda: blockwise.dequantize(blockwise.quantize(x, layout, bits), layout, bits, dtype)}
+    spec_times = time_interleaved({"copy": ops["copy"], **spec_op}, args.spec_reps, 1)
+    times["spec"] = spec_times["spec"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    def paired(num: str, den: str, src: dict[str, list[float]] = times) -> float:
+        # median over rounds of the per-round throughput ratio (den's throughput / num's throughput)
+        return statistics.median(a / b for a, b in zip(src[num], src[den]))
+
     return {
         "dtype": str(dtype).replace("torch.", ""), "bits": bits, "numel": layout.numel, "bytes": nbytes,
         "segments": len(layout.segments), "block_size": layout.block_size,
-        "seconds": t, "GBps": gbs,
-        "ratio_fast_out_vs_copy": t["copy"] / t["fast_out"],
-        "ratio_fast_alloc_vs_copy": t["copy"] / t["fast_alloc"],
-        "ratio_fast_alloc_vs_clone": t["clone"] / t["fast_alloc"],
-        "ratio_spec_vs_copy": t["copy"] / t["spec"],
+        "median_seconds": med, "GBps": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "ratio_fast_out_vs_copy": paired("copy", "fast_out"),
+        "ratio_fast_alloc_vs_copy": paired("copy", "fast_alloc"),
+        "ratio_fast_alloc_vs_clone": paired("clone", "fast_alloc"),
+        "ratio_spec_vs_copy": paired("copy", "spec", spec_times),
     }
 
 
@@ -123,7 +130,7 @@ def main() -> None:
               f"| {c['ratio_fast_alloc_vs_clone']:.2f} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "fast_available": have_fast, "block_size": args.block_size,
+            "threads": torch.get_num_threads(), "fast_available": have_fast, "warmup": args.warmup, "block_size": args.block_size,
             "reps": args.reps, "spec_reps": args.spec_reps}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "cases": cases}, f, indent=1)

@@ -19,13 +19,14 @@ def config(global_batch: int, **zero: Any) -> dict:
     return cfg
 
 
-def train_engine(rank: int, world: int, cfg: dict, steps: int, global_batch: int, seed: int = 0) -> dict:
+def train_engine(rank: int, world: int, cfg: dict, steps: int, global_batch: int, seed: int = 0,
+                 **model_kwargs: int) -> dict:
     """Train TiedNet under the engine; losses are averaged over ranks (= the global-batch loss)."""
     torch.manual_seed(seed)
-    engine, _, _, _ = zeropp.initialize(model=TiedNet(), config=cfg)
+    engine, _, _, _ = zeropp.initialize(model=TiedNet(**model_kwargs), config=cfg)
     losses = []
     for step in range(steps):
-        idx, tgt = tied_batch(step, global_batch)
+        idx, tgt = tied_batch(step, global_batch, vocab=model_kwargs.get("vocab", 13))
         loss = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
         engine.backward(loss)
         engine.step()

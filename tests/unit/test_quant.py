@@ -57,7 +57,7 @@ def error_bound(x: torch.Tensor, layout: BlockLayout, bits: int) -> torch.Tensor
     else:
         e = torch.zeros_like(xr)
     u, sub = UNIT_ROUNDOFF[x.dtype], MIN_SUBNORMAL[x.dtype]
-    return e + 0.5 * u * (xr.abs() + e) + sub / 2
+    return e + u * (xr.abs() + e) + sub / 2
 
 
 def _skewed(g: int, layout: BlockLayout, seed: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ class AllToAllReduceScatter:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
 
-    def start(self, bucket: torch.Tensor, segments: Sequence[int], names: Sequence[str]) -> _PendingSum:
+    def start(self, bucket: torch.Tensor, segments: Sequence[int]) -> _PendingSum:
         world = self.comm.topo.world
         received = torch.empty_like(bucket)
         handle = self.comm.all_to_all(received, bucket, world, Phase.GRAD_REDUCE, async_op=True)

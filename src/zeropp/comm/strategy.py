@@ -35,9 +35,9 @@ class PendingReduce(Protocol):
 
 
 class ReduceStrategy(Protocol):
-    def start(self, bucket: torch.Tensor, segments: Sequence[int], names: Sequence[str]) -> PendingReduce:
+    def start(self, bucket: torch.Tensor, segments: Sequence[int]) -> PendingReduce:
         """Reduce a ``[W, L]`` bucket whose row ``r`` is destined for rank ``r``.
 
         ``segments`` are the per-parameter chunk lengths that make up ``L`` (quantization blocks never
-        cross them) and ``names`` the parameters they belong to, for error messages.
+        cross them).
         """

@@ -21,13 +21,9 @@ import torch
 
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm, Handle
-from zeropp.plus.wire import pack, unpack
-from zeropp.quant import BlockLayout, NonFiniteInputError, dequantize, payload_bytes, quantize
+from zeropp.plus.wire import pack, quantize_poisoning, unpack
+from zeropp.quant import BlockLayout, dequantize, payload_bytes
 from zeropp.topology import Group
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """A gradient to be quantized holds inf or nan; names the parameter."""
 
 
 @dataclass
@@ -46,26 +42,22 @@ class QuantizedReduce:
         self.bits = bits
         self.block_size = block_size
 
-    def start(self, bucket: torch.Tensor, segments: Sequence[int], names: Sequence[str]) -> "_PendingQgz":
+    def start(self, bucket: torch.Tensor, segments: Sequence[int]) -> "_PendingQgz":
         topo = self.comm.topo
         d, n = topo.ranks_per_node, topo.num_nodes
         layout = BlockLayout(tuple(segments), self.block_size)
         rows = bucket.view(n, d, -1).transpose(0, 1).reshape(d * n, -1)  # row (j, k) -> rank k*D + j
-        pending = _PendingQgz(self, layout, list(names), d, n)
+        pending = _PendingQgz(self, layout, d, n)
         if d > 1:
-            pending.hop1 = self._send(rows, layout, topo.intra_node, pending.names)
+            pending.hop1 = self._send(rows, layout, topo.intra_node)
         else:
             pending.partial = rows.float()
         return pending
 
-    def _send(self, rows: torch.Tensor, layout: BlockLayout, group: Group, names: list[str]) -> _Hop:
-        try:
-            q = quantize(rows, layout, self.bits)
-        except NonFiniteInputError as err:
-            raise NonFiniteGradientError(
-                f"gradient of parameter {names[err.segment]!r} holds inf or nan (rank {self.comm.topo.rank})"
-            ) from err
-        wire = pack(q)
+    def _send(self, rows: torch.Tensor, layout: BlockLayout, group: Group) -> _Hop:
+        # inf/nan gradients travel as NaN-scaled blocks (Note [non-finite poisoning] in wire.py): they land
+        # in the owning rank's shard of that parameter, where the engine skips the step and names it.
+        wire = pack(quantize_poisoning(rows, layout, self.bits))
         received = torch.empty_like(wire)
         handle = self.comm.all_to_all(received, wire, group, Phase.GRAD_REDUCE, async_op=group.size > 1)
         return _Hop(received, handle)
@@ -77,10 +69,9 @@ class QuantizedReduce:
 
 
 class _PendingQgz:
-    def __init__(self, owner: QuantizedReduce, layout: BlockLayout, names: list[str], d: int, n: int) -> None:
+    def __init__(self, owner: QuantizedReduce, layout: BlockLayout, d: int, n: int) -> None:
         self.owner = owner
         self.layout = layout
-        self.names = names
         self.d, self.n = d, n
         self.hop1: _Hop | None = None
         self.partial: torch.Tensor | None = None  # [n, L] fp32: this node's sums for each node's rank
@@ -92,7 +83,7 @@ class _PendingQgz:
             self.partial = received.view(self.d, self.n, -1).sum(dim=0)
         assert self.partial is not None
         if self.n > 1:
-            hop2 = self.owner._send(self.partial, self.layout, topo.inter_node, self.names)
+            hop2 = self.owner._send(self.partial, self.layout, topo.inter_node)
             total = self.owner._receive(hop2, self.layout).sum(dim=0)
         else:
             total = self.partial[0]

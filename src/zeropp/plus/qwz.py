@@ -13,13 +13,17 @@ from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm, Handle
 from zeropp.partition.spec import RowLayout
 from zeropp.partition.unit import Unit
-from zeropp.plus.wire import pack, unpack
-from zeropp.quant import BlockLayout, NonFiniteInputError, dequantize, payload_bytes, quantize
+from zeropp.plus.wire import first_poisoned, pack, quantize_poisoning, unpack
+from zeropp.quant import BlockLayout, dequantize, payload_bytes
 from zeropp.topology import Group
 
 
 class NonFiniteWeightError(FloatingPointError):
-    """A weight to be quantized holds inf or nan: quantizing it would spread garbage over its block."""
+    """A weight to be quantized holds inf or nan: quantizing it would spread garbage over its block.
+
+    Raised on every rank of the gather, not only the one holding the bad shard (Note [non-finite poisoning]
+    in ``wire.py``), so no rank is left waiting in a collective.
+    """
 
 
 @dataclass
@@ -31,9 +35,18 @@ class _PendingQuantized:
     bits: int
     dtype: torch.dtype
 
+    names: list[str]
+
     def finish(self) -> tuple[torch.Tensor, RowLayout]:
         self.handle.wait()
         q = unpack(self.out, payload_bytes(self.layout, self.bits))
+        poisoned = first_poisoned(q.scales, self.layout)
+        if poisoned is not None:  # every rank received the same rows, so every rank raises here
+            source, segment = poisoned
+            raise NonFiniteWeightError(
+                f"parameter {self.names[segment]!r} holds inf or nan in rank {source}'s shard; qwZ will not "
+                f"quantize it (the weights were corrupted before this gather)"
+            )
         return dequantize(q, self.layout, self.bits, self.dtype), self.row
 
 
@@ -54,18 +67,10 @@ class QuantizedGather:
 
     def start(self, unit: Unit, phase: Phase) -> _PendingQuantized:
         layout = self.layout(unit)
-        try:
-            q = quantize(unit.shard.view(1, -1), layout, self.bits)
-        except NonFiniteInputError as err:
-            name = unit.slots[err.segment].name
-            raise NonFiniteWeightError(
-                f"parameter {name!r} holds inf or nan in rank {self.comm.topo.rank}'s shard; qwZ will not "
-                f"quantize it (the weights were corrupted before this gather)"
-            ) from err
-        wire = pack(q)[0]
+        wire = pack(quantize_poisoning(unit.shard.view(1, -1), layout, self.bits))[0]
         out = torch.empty(self.group.size, wire.numel(), dtype=torch.uint8)
         handle = self.comm.all_gather(out, wire, self.group, phase, async_op=True)
-        return _PendingQuantized(out, handle, layout, unit.row, self.bits, unit.compute_dtype)
+        return _PendingQuantized(out, handle, layout, unit.row, self.bits, unit.compute_dtype, unit.segment_names())
 
     def on_release(self, unit: Unit) -> None:
         pass

@@ -49,7 +49,7 @@ class GradBuckets:
         if not self._ready:
             return
         entries, self._ready, self._size = self._ready, [], 0
-        cols, segments, names = [], [], []
+        cols, segments = [], []
         for e in entries:
             spec = e.unit.slots[e.slot].spec
             flat = e.grad.reshape(-1)
@@ -57,9 +57,8 @@ class GradBuckets:
                 flat = torch.nn.functional.pad(flat, (0, spec.padded - spec.numel))
             cols.append(flat.view(self.world, spec.chunk))
             segments.append(spec.chunk)
-            names.append(e.unit.slots[e.slot].name)
         bucket = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0].contiguous()
-        pending = self.reduce.start(bucket, segments, names)
+        pending = self.reduce.start(bucket, segments)
         while self._inflight:
             self._complete(self._inflight.pop(0))
         self._inflight.append(_InFlight(pending, entries))

@@ -328,20 +328,29 @@ class Stage3Engine:
         return out
 
     def load_consolidated_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Overwrite the master weights (and 16-bit shards) from a full state dict; stale copies are dropped."""
+        """Overwrite the master weights (and 16-bit shards) from a full state dict; stale copies are dropped.
+
+        Every entry is checked before anything is written, so a bad state dict leaves the engine unchanged.
+        """
         names = {id(t): n for n, t in self.module.state_dict(keep_vars=True).items()}
+        sources = {}
+        for u in self.units:
+            for slot in u.slots:
+                name = names[id(slot.param)]
+                if name not in state:
+                    raise KeyError(f"state dict has no entry for parameter {name}")
+                src = state[name].detach().reshape(-1).float()
+                if src.numel() != slot.spec.numel:
+                    raise ValueError(f"{name}: expected {slot.spec.numel} elements, got {src.numel()}")
+                if not torch.isfinite(src).all():
+                    raise ValueError(f"{name}: the state dict holds inf or nan")
+                sources[id(slot.param)] = src
         with torch.no_grad():
             for u in self.units:
                 for slot, view in zip(u.slots, u.master_views()):
-                    name = names[id(slot.param)]
-                    if name not in state:
-                        raise KeyError(f"state dict has no entry for parameter {name}")
-                    src = state[name].detach().reshape(-1).float()
-                    if src.numel() != slot.spec.numel:
-                        raise ValueError(f"{name}: expected {slot.spec.numel} elements, got {src.numel()}")
                     start, stop = slot.spec.owned(self.topo.rank)
                     view.zero_()
-                    view[: stop - start].copy_(src[start:stop])
+                    view[: stop - start].copy_(sources[id(slot.param)][start:stop])
                 u.refresh_shard_from_master()
 
     # ---- reports -----------------------------------------------------------------------------------------
