@@ -64,13 +64,42 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _consolidate_parser(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint's full fp32 weights to one file",
+        description="Read a checkpoint saved by engine.save_checkpoint, shard file by shard file, and write the "
+        "full fp32 model state dict (model.state_dict()'s keys, tied weights under each name) to OUT: "
+        "safetensors for a .safetensors file, torch.save for .pt/.pth/.bin. Needs no torch.distributed.",
+    )
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="the save_dir given to save_checkpoint")
+    p.add_argument("out", metavar="OUT", help="output file (.safetensors, .pt, .pth or .bin)")
+    p.add_argument("--tag", default=None, help="tag to read (default: the one CKPT_DIR/latest names)")
+
+
+def consolidate(args: argparse.Namespace) -> int:
+    from zeropp.checkpoint import CheckpointError
+    from zeropp.checkpoint import consolidate as run_consolidate
+
+    try:
+        path = run_consolidate(args.ckpt_dir, args.out, tag=args.tag)
+    except (CheckpointError, ValueError, RuntimeError) as err:
+        print(f"zeropp consolidate: {err}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="zeropp", description="ZeRO-3 with ZeRO++ on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _consolidate_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
+    if args.command == "consolidate":
+        return consolidate(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -42,7 +42,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "topology": {"ranks_per_node": 2},
 }
 
-ZEROPP_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
+ZEROPP_LABELS = {"zero_quantized_weights": "qwZ", "zero_hpz_partition_size": "hpZ", "zero_quantized_gradients": "qgZ"}
 
 
 def job_parser() -> argparse.ArgumentParser:
@@ -137,10 +137,11 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
     tokens = corpus_tokens()
     if rank == 0:
         zero = cfg["zero_optimization"]
-        on = [k for k in ZEROPP_KEYS if zero.get(k) not in (None, False, 1)]
+        on = [label for key, label in ZEROPP_LABELS.items() if zero.get(key) is True
+              or (key == "zero_hpz_partition_size" and (zero.get(key) or 1) > 1)]
         print(f"zeropp: GPT {model.num_parameters():,} parameters, {world} ranks as "
               f"{world // engine.topo.ranks_per_node} nodes x {engine.topo.ranks_per_node}, "
-              f"ZeRO-3{' + ' + ', '.join(on) if on else ''}, "
+              f"ZeRO-3{' + ' + ' + '.join(on) if on else ''}, "
               f"{'bf16' if cfg.get('bf16', {}).get('enabled') else 'fp32'}", flush=True)
     progress = Progress(args.steps, args.log_every)
     losses: list[float] = []

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
-from support.models import TiedNet, rank_slice, tied_batch
+from support.models import MixedScales, TiedNet, rank_slice, tied_batch
 from support.qgz_case import BLOCK, SEGMENTS, bucket_for, exact_mean
 from support.train import config, train_engine
 from support.world import run_world
@@ -29,6 +29,8 @@ VARIANTS = {
     "hpz": {"zero_hpz_partition_size": 2},
     "qgz": {"zero_quantized_gradients": True},
     "all": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True},
+    "qwz4": {"zero_quantized_weights": True, "zero_quantized_weights_bits": 4},
+    "qgz8": {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8},
 }
 
 
@@ -52,6 +54,7 @@ def training_results(rank: int, world: int) -> dict:
         out[name + "_wide"] = train_engine(rank, world, {**config(GB, **VARIANTS[name]), **BF16}, 2, GB,
                                            vocab=64, dim=48, hidden=96)
     out["stale"] = stale_slice_case(rank, world)
+    out["mixed"] = mixed_scales_case(rank, world)
     out["nan_weight"] = nan_weight_case(rank, world)
     out["nan_grad"] = nan_grad_case(rank, world)
     return out
@@ -79,6 +82,20 @@ def stale_slice_case(rank: int, world: int) -> dict:
     with torch.no_grad():
         want = fresh(x, y).float().item()
     return {"losses": losses, "fresh": want, "inter": inter}
+
+
+def mixed_scales_case(rank: int, world: int) -> dict:
+    """qwZ + hpZ + qgZ on a unit whose parameters differ by 1e6 in scale, one of them a single element."""
+    torch.manual_seed(0)
+    model = MixedScales()
+    exact = {k: v.detach().to(torch.bfloat16).float() for k, v in model.named_parameters()}
+    engine, *_ = zeropp.initialize(model=model, config={**config(GB, **VARIANTS["all"]), **BF16})
+    x = torch.randn(2, 3)
+    seen = []
+    for _ in range(2):  # the second forward gathers from the hpZ slices
+        engine.backward(engine(x))
+        seen.append({k: v.float() for k, v in model.seen.items()})
+    return {"exact": exact, "seen": seen}
 
 
 def nan_weight_case(rank: int, world: int) -> str:
@@ -205,10 +222,11 @@ def test_hpz_backward_gathers_never_cross_nodes():
 def _expected(name: str, numels: list[int], rank: int) -> dict:
     lay = Layout(4, 2)
     plain = accounting.gather_volume(numels, lay, rank, 2)
-    fwd = accounting.quantized_gather_volume(numels, lay, rank, 8, 2048) if name in ("qwz", "all") else plain
+    fwd = (accounting.quantized_gather_volume(numels, lay, rank, 4 if name == "qwz4" else 8, 2048)
+           if name in ("qwz", "qwz4", "all") else plain)
     bwd = accounting.hpz_gather_volume(numels, lay, rank, 2, 2) if name in ("hpz", "all") else plain
-    red = (accounting.qgz_volume(numels, lay, rank, 4, 2048) if name in ("qgz", "all")
-           else accounting.reduce_scatter_volume(numels, lay, rank, 2))
+    red = (accounting.qgz_volume(numels, lay, rank, 8 if name == "qgz8" else 4, 2048)
+           if name in ("qgz", "qgz8", "all") else accounting.reduce_scatter_volume(numels, lay, rank, 2))
     return {"forward_gather": fwd.as_dict(), "backward_gather": bwd.as_dict(), "grad_reduce": red.as_dict(),
             "other": accounting.grad_norm_volume(lay, rank).as_dict()}
 
@@ -247,6 +265,9 @@ def test_quantized_variants_track_zero3_loss():
         for got, want in zip(res[name]["losses"], base):
             assert abs(got - want) / want < 0.05, (name, got, want)
         assert res[name]["losses"][-1] < res[name]["losses"][0]
+    for name in ("qwz4", "qgz8"):
+        for got, want in zip(res[name]["losses"], base):
+            assert abs(got - want) / want < 0.1, (name, got, want)
 
 
 def test_hpz_memory_adds_two_m_over_s():
@@ -263,6 +284,19 @@ def test_weight_change_then_forward_never_uses_a_stale_slice():
         assert case["losses"]["hpz"] == case["losses"]["zero3"]
         assert abs(case["losses"]["hpz"] - case["fresh"]) / case["fresh"] < 0.02
         assert case["inter"]["hpz"] > 0  # the forward after the load went through the primary partition
+
+
+def test_quantization_blocks_never_straddle_parameters():
+    """A 1e-3 parameter sharing a unit with a 1e3 one keeps int8 precision relative to its own scale."""
+    for res in training():
+        case = res["mixed"]
+        for seen in case["seen"]:
+            for name in ("big", "small", "one"):
+                want, got = case["exact"][name], seen[name]
+                # int8 half-step of the parameter's own abs-max, plus bf16 rounding of the result
+                tol = want.abs().max() / 254 + want.abs() * 2**-8
+                assert bool(((got - want).abs() <= tol).all()), name
+            assert float(seen["one"]) != 0.0
 
 
 def test_non_finite_weight_under_qwz_is_named_on_every_rank():

@@ -35,3 +35,19 @@ def tied_batch(step: int, global_batch: int, seq: int = 5, vocab: int = 13) -> t
 def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     m = t.shape[0] // world
     return t[rank * m : (rank + 1) * m]
+
+
+class MixedScales(nn.Module):
+    """One unit holding a huge, a tiny and a one-element parameter; forward records what it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Parameter(1000.0 * (1 + torch.rand(40)))
+        self.small = nn.Parameter(1e-3 * (1 + torch.rand(30)))
+        self.one = nn.Parameter(torch.tensor([0.5]))
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = {"big": self.big.detach().clone(), "small": self.small.detach().clone(),
+                     "one": self.one.detach().clone()}
+        return (x * self.small.sum() + self.big.mean() * 1e-6 + self.one).pow(2).mean()

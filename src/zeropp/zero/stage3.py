@@ -388,3 +388,27 @@ class Stage3Engine:
         out["hpz_secondary"] = sum(size(t) for t in held)
         out["total"] = sum(out.values())
         return out
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    # Thin delegations to zeropp.checkpoint (format, atomicity and re-sharding live there); all collective.
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Any = None,
+                        save_latest: bool = True) -> str:
+        """Write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step{N}``); every rank calls.
+
+        Returns the tag directory; ``save_dir/latest`` names it once every rank's shard is on disk.
+        """
+        from zeropp.checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, Any]:
+        """Restore weights, optimizer, scheduler, counters and RNG from ``load_dir`` (tag default: ``latest``).
+
+        Works on a different world size too (re-sharding). Returns ``(path, client_state)``.
+        """
+        from zeropp.checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
+        """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""
+        from zeropp.checkpoint import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename)

@@ -1,0 +1,366 @@
+"""Save and load a stage-3 engine's training state: one shard file per rank plus rank 0's manifest.
+
+Called through ``Stage3Engine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``; every rank
+must call them together. The directory layout and the atomicity argument are in ``format.py`` (Note
+[checkpoint atomicity]).
+
+What a shard file holds, and why it is enough to continue bit for bit: the fp32 master chunk of every
+parameter (the 16-bit shard is recast from it, as every optimizer step does), the optimizer's
+``state_dict()`` over the master views, the scheduler's ``state_dict()``, the engine's micro/global step
+counters, the torch (CPU and CUDA), Python and NumPy RNG states, the model's buffers, the caller's
+``client_state`` and — only when saved between accumulation boundaries — the partly accumulated gradient
+shards. hpZ secondary copies and gathered weights are derived state: loading bumps every unit's version
+(Note [secondary staleness]) so they are rebuilt from the loaded masters.
+
+Elastic resume: on a different world size each rank rebuilds its new chunk of every master and of every
+optimizer state laid out like the chunk (Adam's ``exp_avg``/``exp_avg_sq``) by streaming the old shard
+files one at a time (``reshard.read_ranges``); scalars (Adam's ``step``), the scheduler and the counters
+come from rank 0's file. RNG states are per rank and are only restored on the same world size.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+import zeropp
+from zeropp.checkpoint.format import (
+    FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, Manifest, atomic_write, atomic_write_text, check_tag,
+    crash_point, fsync_dir, load_shard, read_manifest, resolve_tag_dir, shard_name,
+)
+from zeropp.checkpoint.reshard import read_ranges
+from zeropp.comm.ledger import Phase
+
+if TYPE_CHECKING:
+    from zeropp.zero.stage3 import Stage3Engine
+
+
+@dataclass
+class _Param:
+    """One parameter as the engine holds it on this rank."""
+
+    name: str
+    aliases: list[str]
+    shape: tuple[int, ...]
+    numel: int
+    unit: int
+    chunk: int
+    master: torch.Tensor  # this rank's fp32 master chunk (a fixed view the optimizer steps)
+    grad: torch.Tensor
+    optimizer_index: Optional[int]
+
+
+def _params(engine: "Stage3Engine") -> list[_Param]:
+    opt_index = {id(t): i for i, t in enumerate(p for g in engine.optimizer.param_groups for p in g["params"])}
+    aliases: dict[int, list[str]] = {}
+    for key, t in engine.module.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(t), []).append(key)
+    out = []
+    for u in engine.units:
+        for slot, master, grad in zip(u.slots, u.master_views(), u.grad_views()):
+            out.append(_Param(slot.name, aliases.get(id(slot.param), [slot.name]), tuple(slot.spec.shape),
+                              slot.spec.numel, u.index, slot.spec.chunk, master, grad, opt_index.get(id(master))))
+    return out
+
+
+def _buffers(engine: "Stage3Engine") -> dict[str, torch.Tensor]:
+    """State-dict entries that are not sharded parameters (buffers), as this rank holds them."""
+    params = {id(s.param) for u in engine.units for s in u.slots}
+    return {k: t for k, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in params}
+
+
+def _agree(engine: "Stage3Engine", error: Optional[BaseException], what: str) -> None:
+    """Raise on every rank if any rank failed, so no rank waits forever in a later collective."""
+    flags = torch.zeros(engine.topo.world_size, dtype=torch.float32)
+    flags[engine.topo.rank] = 1.0 if error is not None else 0.0
+    engine.comm.all_reduce(flags, engine.topo.world, Phase.OTHER)
+    if error is not None:
+        raise error
+    bad = [r for r in range(engine.topo.world_size) if flags[r] > 0]
+    if bad:
+        raise CheckpointError(f"{what} failed on rank(s) {bad}; their error names the cause")
+
+
+def _shared_nonce(engine: "Stage3Engine") -> str:
+    # os.urandom, not torch: drawing from torch's generator would change the RNG state being saved
+    value = torch.tensor([int.from_bytes(os.urandom(6), "little") if engine.topo.rank == 0 else 0],
+                         dtype=torch.int64)
+    engine.comm.broadcast(value, 0, engine.topo.world, Phase.OTHER)
+    return f"{int(value.item()):012x}"
+
+
+# ---- save ------------------------------------------------------------------------------------------------
+def _rng_state() -> dict:
+    out = {"torch_cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _shard_payload(engine: "Stage3Engine", params: list[_Param], client_state: Any) -> dict:
+    mid_accumulation = engine.micro_steps % engine.policy.gradient_accumulation_steps != 0
+    sched = engine.lr_scheduler
+    return {
+        "format_version": FORMAT_VERSION,
+        "rank": engine.topo.rank,
+        "world_size": engine.topo.world_size,
+        "params": {p.name: p.master for p in params},  # views: torch.save writes each unit's row once
+        "grads": {p.name: p.grad for p in params} if mid_accumulation else None,
+        "optimizer": engine.optimizer.state_dict(),
+        "scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+        "counters": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps},
+        "rng": _rng_state(),
+        "buffers": {k: t.detach() for k, t in _buffers(engine).items()},
+        "client_state": client_state,
+    }
+
+
+def _config_json(engine: "Stage3Engine") -> Any:
+    cfg = getattr(engine, "config", None)  # set by initialize when it keeps the config; else not recorded
+    if cfg is None:
+        return None
+    if hasattr(cfg, "model_dump"):
+        return cfg.model_dump(mode="json")
+    try:
+        return json.loads(json.dumps(cfg, default=str))
+    except (TypeError, ValueError):
+        return repr(cfg)
+
+
+def _manifest(engine: "Stage3Engine", tag: str, params: list[_Param], sizes: list[int]) -> dict:
+    topo, policy, sched = engine.topo, engine.policy, engine.lr_scheduler
+    keys = []
+    names_by_alias = {a: p.name for p in params for a in p.aliases}
+    for key in engine.module.state_dict(keep_vars=True):
+        keys.append({"key": key, "param": names_by_alias[key]} if key in names_by_alias else {"key": key})
+    return {
+        "format_version": FORMAT_VERSION,
+        "zeropp_version": zeropp.__version__,
+        "torch_version": torch.__version__,
+        "tag": tag,
+        "created_unix": time.time(),
+        "config": _config_json(engine),
+        "engine": {
+            "stage": 3,
+            "compute_dtype": str(policy.compute_dtype).removeprefix("torch."),
+            "gradient_accumulation_steps": policy.gradient_accumulation_steps,
+            "gradient_clipping": policy.gradient_clipping,
+            "strategies": {k: type(getattr(engine.strategies, k)).__name__
+                           for k in ("forward_gather", "backward_gather", "reduce")},
+            "optimizer": type(engine.optimizer).__name__,
+            "scheduler": type(sched).__name__ if sched is not None else None,
+            "micro_steps": engine.micro_steps,
+            "global_steps": engine.global_steps,
+        },
+        "topology": {"world_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
+                     "num_nodes": topo.num_nodes, "hpz_partition_size": topo.hpz.size},
+        "params": [{"name": p.name, "aliases": p.aliases, "shape": list(p.shape), "numel": p.numel,
+                    "unit": p.unit, "chunk": p.chunk, "world": topo.world_size,
+                    "optimizer_index": p.optimizer_index} for p in params],
+        "state_dict_keys": keys,
+        "shards": [{"rank": r, "file": shard_name(r), "bytes": n} for r, n in enumerate(sizes)],
+    }
+
+
+def save_checkpoint(engine: "Stage3Engine", save_dir: str, tag: Optional[str] = None,
+                    client_state: Any = None, save_latest: bool = True) -> str:
+    """Write this rank's shard (and, on rank 0, the manifest and ``latest``); returns the tag directory.
+
+    See Note [checkpoint atomicity] in ``format.py`` for why a crash never damages an earlier tag.
+    """
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    rank, save_dir = engine.topo.rank, os.path.abspath(save_dir)
+    nonce = _shared_nonce(engine)
+    tmp_dir, final = os.path.join(save_dir, f".{tag}.tmp-{nonce}"), os.path.join(save_dir, tag)
+    params = _params(engine)
+    error: Optional[BaseException] = None
+    try:
+        os.makedirs(tmp_dir, exist_ok=True)
+        payload = _shard_payload(engine, params, client_state)
+        atomic_write(os.path.join(tmp_dir, shard_name(rank)), lambda f: torch.save(payload, f),
+                     crash_point="shard_write", rank=rank)
+        crash_point("shard_written", rank)
+    except Exception as err:  # noqa: BLE001 - reported to every rank by _agree
+        error = CheckpointError(f"rank {rank} could not write its shard into {tmp_dir}: {err}")
+    try:
+        _agree(engine, error, "writing checkpoint shards")
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    error = None
+    if rank == 0:
+        try:
+            _publish(engine, tag, params, tmp_dir, final, nonce, save_latest)
+        except Exception as err:  # noqa: BLE001
+            error = err
+    _agree(engine, error, "publishing the checkpoint")
+    return final
+
+
+def _publish(engine: "Stage3Engine", tag: str, params: list[_Param], tmp_dir: str, final: str, nonce: str,
+             save_latest: bool) -> None:
+    """Rank 0, once every shard is on disk: manifest, then one directory rename, then ``latest``."""
+    sizes = [os.path.getsize(os.path.join(tmp_dir, shard_name(r))) for r in range(engine.topo.world_size)]
+    manifest = _manifest(engine, tag, params, sizes)
+    atomic_write_text(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=1))
+    fsync_dir(tmp_dir)
+    crash_point("before_publish", 0)
+    save_dir = os.path.dirname(final)
+    aside = None
+    if os.path.exists(final):  # re-saving a tag: move the old one aside, never delete before replacing
+        aside = os.path.join(save_dir, f".{tag}.old-{nonce}")
+        os.rename(final, aside)
+    os.rename(tmp_dir, final)
+    fsync_dir(save_dir)
+    crash_point("before_latest", 0)
+    if save_latest:
+        atomic_write_text(os.path.join(save_dir, LATEST), tag)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+# ---- load ------------------------------------------------------------------------------------------------
+@dataclass
+class _Loaded:
+    """Everything a rank will write into the engine, read and checked before anything is written."""
+
+    masters: dict[str, torch.Tensor]
+    grads: Optional[dict[str, torch.Tensor]]
+    optimizer: dict
+    scheduler: Optional[dict]
+    counters: dict
+    rng: Optional[dict]
+    buffers: dict[str, torch.Tensor]
+    client_state: Any
+
+
+def check_model(manifest: Manifest, params: list[_Param], optimizer_name: Optional[str] = None) -> None:
+    """Raise naming the first parameter (name and shape) where the model and the checkpoint differ."""
+    saved = manifest.params
+    for i in range(max(len(saved), len(params))):
+        if i >= len(saved):
+            raise CheckpointError(f"model does not match checkpoint {manifest.path}: model parameter "
+                                  f"{params[i].name} {list(params[i].shape)} is not in the checkpoint")
+        if i >= len(params):
+            raise CheckpointError(f"model does not match checkpoint {manifest.path}: checkpoint parameter "
+                                  f"{saved[i].name} {list(saved[i].shape)} is not in the model")
+        s, p = saved[i], params[i]
+        if s.name != p.name or tuple(s.shape) != tuple(p.shape):
+            raise CheckpointError(
+                f"model does not match checkpoint {manifest.path}: first mismatching parameter is "
+                f"{p.name} with shape {list(p.shape)} in the model, {s.name} with shape {list(s.shape)} "
+                "in the checkpoint")
+        if s.optimizer_index != p.optimizer_index:
+            raise CheckpointError(f"parameter {p.name} is optimizer parameter {p.optimizer_index} in the model "
+                                  f"but {s.optimizer_index} in checkpoint {manifest.path} (different trainable set?)")
+    saved_opt = manifest.raw.get("engine", {}).get("optimizer")
+    if optimizer_name and saved_opt and saved_opt != optimizer_name:
+        raise CheckpointError(f"checkpoint {manifest.path} holds {saved_opt} state, the engine uses {optimizer_name}")
+
+
+def _read_same_world(manifest: Manifest, rank: int) -> _Loaded:
+    shard = load_shard(manifest.shard_path(rank))
+    return _Loaded(shard["params"], shard.get("grads"), shard["optimizer"], shard.get("scheduler"),
+                   shard["counters"], shard.get("rng"), shard.get("buffers", {}), shard.get("client_state"))
+
+
+def _read_resharded(manifest: Manifest, params: list[_Param], rank: int) -> _Loaded:
+    saved = manifest.raw.get("engine", {})
+    if saved.get("micro_steps", 0) % max(1, saved.get("gradient_accumulation_steps", 1)):
+        raise CheckpointError(f"checkpoint {manifest.path} was saved between gradient accumulation boundaries; "
+                              "its partly accumulated gradients only resume on the same world size")
+    ranges = {p.name: (rank * p.chunk, p.chunk) for p in params}
+    got = read_ranges(manifest, ranges, with_optimizer=True)
+    head = got.rank0
+    state = {p.optimizer_index: got.optimizer[p.name] for p in params
+             if p.optimizer_index is not None and p.name in got.optimizer}
+    optimizer = {"state": state, "param_groups": head["optimizer_param_groups"]}
+    return _Loaded(got.params, None, optimizer, head.get("scheduler"), head["counters"], None,
+                   head.get("buffers", {}), head.get("client_state"))
+
+
+def _apply(engine: "Stage3Engine", params: list[_Param], loaded: _Loaded) -> None:
+    with torch.no_grad():
+        for p in params:
+            p.master.copy_(loaded.masters[p.name])
+            if loaded.grads is not None:
+                p.grad.copy_(loaded.grads[p.name])
+            else:
+                p.grad.zero_()
+        for u in engine.units:
+            u.refresh_shard_from_master()  # recast the 16-bit shard; version bump drops hpZ slices
+        live = _buffers(engine)
+        for key, value in loaded.buffers.items():
+            if key in live:
+                live[key].copy_(value)
+    engine.optimizer.load_state_dict(loaded.optimizer)
+    if loaded.scheduler is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(loaded.scheduler)
+    engine.micro_steps = int(loaded.counters["micro_steps"])
+    engine.global_steps = int(loaded.counters["global_steps"])
+    if loaded.rng is not None:
+        torch.set_rng_state(loaded.rng["torch_cpu"])
+        random.setstate(loaded.rng["python"])
+        np.random.set_state(loaded.rng["numpy"])
+        if "torch_cuda" in loaded.rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(loaded.rng["torch_cuda"])
+
+
+def load_checkpoint(engine: "Stage3Engine", load_dir: str, tag: Optional[str] = None) -> tuple[str, Any]:
+    """Restore the engine from ``load_dir/tag`` (default: the tag ``latest`` names); ``(path, client_state)``.
+
+    Everything is read and checked before the engine is touched: on any error, on any rank, every rank
+    raises and the engine is unchanged. Client state: each rank gets its own on the same world size,
+    rank 0's otherwise.
+    """
+    params = _params(engine)
+    rank = engine.topo.rank
+    error: Optional[BaseException] = None
+    loaded = None
+    path = ""
+    try:
+        _, path = resolve_tag_dir(load_dir, tag)
+        manifest = read_manifest(path)
+        manifest.check_shards()
+        check_model(manifest, params, type(engine.optimizer).__name__)
+        if manifest.world_size == engine.topo.world_size:
+            loaded = _read_same_world(manifest, rank)
+        else:
+            loaded = _read_resharded(manifest, params, rank)
+    except Exception as err:  # noqa: BLE001 - re-raised on this rank by _agree
+        error = err
+    _agree(engine, error, "loading the checkpoint")
+    assert loaded is not None
+    _apply(engine, params, loaded)
+    return path, loaded.client_state
+
+
+# ---- 16-bit weights --------------------------------------------------------------------------------------
+def save_16bit_model(engine: "Stage3Engine", save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
+    """Gather the full weights (every rank must call) and write them in the compute dtype from rank 0."""
+    from zeropp.checkpoint.consolidate import write_state_dict
+
+    state = engine.consolidated_state_dict()
+    out = os.path.join(os.path.abspath(save_dir), save_filename)
+    error: Optional[BaseException] = None
+    if engine.topo.rank == 0:
+        try:
+            cast: dict[int, torch.Tensor] = {}  # tied keys keep sharing one tensor
+            for key, t in state.items():
+                if id(t) not in cast:
+                    cast[id(t)] = t.to(engine.policy.compute_dtype) if t.is_floating_point() else t
+                state[key] = cast[id(t)]
+            os.makedirs(save_dir, exist_ok=True)
+            write_state_dict(state, out)
+        except Exception as err:  # noqa: BLE001
+            error = err
+    _agree(engine, error, "saving the 16-bit model")
+    return out

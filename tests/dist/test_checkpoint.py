@@ -1,0 +1,251 @@
+"""Checkpoints: exact resume in new processes (ZeRO-3, and ZeRO-3 + qwZ + hpZ + qgZ in bf16, with WarmupLR),
+elastic resume 4 -> 2 and 4 -> 3, a real SIGKILL in the middle of a save, consolidation without
+torch.distributed, the 16-bit export and the errors that name the file or parameter at fault.
+
+Each world of processes starts once for the module (lru_cache), as in test_stage3.py; see
+tests/support/ckpt_worlds.py for what runs on the ranks.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from support.ckpt_crash import run_crashing_world
+from support.ckpt_worlds import GB, MICRO_STEPS, N, VARIANTS, crash_run, elastic, first_run, resume
+from support.models import TiedNet, tied_batch
+from support.world import run_world
+from zeropp import cli
+from zeropp.checkpoint import CheckpointError, consolidate, load_full_checkpoint
+from zeropp.checkpoint.format import MANIFEST, shard_name
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+@functools.lru_cache(maxsize=None)
+def first(root: str) -> list:
+    return run_world(first_run, 4, root, ranks_per_node=2)
+
+
+def _corrupt_copy(root: str) -> None:
+    """``root/corrupt``: the zero3 checkpoint with the end of rank 1's shard zeroed, its size unchanged."""
+    dst = os.path.join(root, "corrupt")
+    if not os.path.exists(dst):
+        shutil.copytree(os.path.join(root, "zero3"), dst)
+        path = os.path.join(dst, f"global_step{N}", shard_name(1))
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.seek(size - 256)
+            f.write(bytes(256))
+
+
+@functools.lru_cache(maxsize=None)
+def resumed(root: str) -> list:
+    first(root)
+    _corrupt_copy(root)
+    return run_world(resume, 4, root, ranks_per_node=2)
+
+
+@functools.lru_cache(maxsize=None)
+def crashed(root: str) -> tuple[list[int], str, str]:
+    save_dir, expected = os.path.join(root, "crash"), os.path.join(root, "crash_expected.pt")
+    codes = run_crashing_world(crash_run, 2, save_dir, expected, "shard_write:1")
+    return codes, save_dir, expected
+
+
+@functools.lru_cache(maxsize=None)
+def elastic_on(root: str, world: int) -> dict:
+    first(root)
+    crash_dir = crashed(root)[1] if world == 2 else None
+    return run_world(elastic, world, root, crash_dir)[0]
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+# ---- exact resume ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_exact_resume_is_bit_for_bit(root, variant):
+    before, _ = MICRO_STEPS[variant]
+    for rank, (full, part) in enumerate(zip(first(root), resumed(root))):
+        uninterrupted = full[variant]["losses"][before:]
+        assert part[variant]["losses"] == uninterrupted, f"rank {rank}"
+        assert part[variant]["client_state"] == {"rank": rank, "next": before}
+        assert part[variant]["path"] == full[variant]["path"]
+    assert first(root)[0]["zero3"]["path"].endswith(f"global_step{N}")
+
+
+# ---- elastic resume --------------------------------------------------------------------------------------
+def _reference_step(root: str, lr: float) -> dict:
+    """One AdamW step in one process from the checkpoint's full parameters and moments."""
+    full = load_full_checkpoint(os.path.join(root, "zero3"), tag=f"global_step{N}", with_optimizer=True)
+    model = TiedNet()
+    model.load_state_dict(full.state_dict)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    for name, p in model.named_parameters():
+        opt.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in full.optimizer[name].items()}
+    idx, tgt = tied_batch(N, GB)
+    model(idx, tgt).backward()
+    opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_elastic_resume_from_four_ranks(root, world):
+    got = elastic_on(root, world)
+    saved = first(root)[0]["zero3"]["saved_state"]
+    _assert_same_state(got["loaded"], saved)  # consolidated parameters after load == before save, exactly
+    full = load_full_checkpoint(os.path.join(root, "zero3"), tag=f"global_step{N}", with_optimizer=True)
+    for key in ("exp_avg", "exp_avg_sq"):
+        for name, t in got["moments"][key].items():
+            assert torch.equal(t, full.optimizer[name][key]), (key, name)
+            assert t.abs().sum() > 0
+    assert got["steps"] == {float(N)}
+    assert got["counters"] == (N, N, N)
+    assert got["client_state"] == {"rank": 0, "next": N}  # rank 0's on a different world size
+    ref = _reference_step(root, got["lr"])
+    for k, want in ref.items():
+        assert (got["stepped"][k] - want).abs().max().item() <= 1e-5, k
+        assert not torch.equal(got["stepped"][k], saved[k]), f"{k} did not move"
+
+
+# ---- crash safety ----------------------------------------------------------------------------------------
+def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_tag(root):
+    codes, save_dir, expected = crashed(root)
+    assert codes[1] == -9, f"rank 1 was meant to die by SIGKILL: exit codes {codes}"
+    with open(os.path.join(save_dir, "latest")) as f:
+        assert f.read() == "good"
+    entries = os.listdir(save_dir)
+    assert "bad" not in entries and "good" in entries
+    torn = [e for e in entries if e.startswith(".bad.tmp-")]
+    assert torn, entries  # the interrupted save is left hidden, never under its tag
+    assert any(n.startswith(shard_name(1) + ".tmp-") for n in os.listdir(os.path.join(save_dir, torn[0])))
+    want = torch.load(expected)
+    out = consolidate(save_dir, os.path.join(root, "crash_consolidated.pt"))  # tag from `latest`
+    _assert_same_state(torch.load(out), want)
+    got = elastic_on(root, 2)  # and a new world of engines loads it
+    assert got["crash_path"].endswith(os.sep + "good")
+    _assert_same_state(got["crash_state"], want)
+
+
+def test_resaving_a_tag_replaces_it_and_leaves_nothing_behind(root):
+    first(root)
+    resave = os.path.join(root, "resave")
+    assert sorted(os.listdir(resave)) == ["latest", "t"]
+    assert sorted(os.listdir(os.path.join(resave, "t"))) == [MANIFEST] + [shard_name(r) for r in range(4)]
+    assert load_full_checkpoint(resave).client_state == "second"
+
+
+# ---- consolidation and export ----------------------------------------------------------------------------
+@pytest.mark.parametrize("suffix", [".pt", ".bin", ".safetensors"])
+def test_consolidated_file_loads_into_the_plain_model(root, suffix):
+    if suffix == ".safetensors":
+        load_file = pytest.importorskip("safetensors.torch").load_file
+    saved = first(root)[0]["zero3"]["saved_state"]
+    out = os.path.join(root, "out", "model" + suffix)
+    assert cli.main(["consolidate", os.path.join(root, "zero3"), out, "--tag", f"global_step{N}"]) == 0
+    state = load_file(out) if suffix == ".safetensors" else torch.load(out)
+    assert set(state) == set(TiedNet().state_dict())  # tied weight under both of its names
+    plain, from_engine = TiedNet(), TiedNet()
+    plain.load_state_dict(state)
+    from_engine.load_state_dict(saved)
+    idx, tgt = tied_batch(99, GB)
+    with torch.no_grad():
+        assert torch.equal(plain(idx, tgt), from_engine(idx, tgt))
+    _assert_same_state({k: state[k] for k in saved}, saved)
+
+
+def test_16bit_model_holds_the_compute_dtype_weights(root):
+    saved = first(root)[0]["zeropp"]["saved_state"]
+    state = torch.load(os.path.join(root, "16bit", "pytorch_model.bin"))
+    for k, v in saved.items():
+        assert state[k].dtype == torch.bfloat16
+        assert torch.equal(state[k], v.to(torch.bfloat16)), k
+    assert state["head.weight"].data_ptr() == state["embed.weight"].data_ptr()  # tied stays tied
+
+
+def test_manifest_records_layout_and_topology(root):
+    first(root)
+    with open(os.path.join(root, "zeropp", f"global_step{N}", MANIFEST)) as f:
+        m = json.load(f)
+    assert m["format_version"] == 1 and m["zeropp_version"]
+    assert m["topology"] == {"world_size": 4, "ranks_per_node": 2, "num_nodes": 2, "hpz_partition_size": 2}
+    assert m["engine"]["compute_dtype"] == "bfloat16" and m["engine"]["scheduler"] == "WarmupLR"
+    embed = next(p for p in m["params"] if p["name"] == "embed.weight")
+    assert embed["shape"] == [13, 7] and embed["numel"] == 91 and embed["world"] == 4 and embed["chunk"] == 24
+    assert embed["aliases"] == ["embed.weight", "head.weight"]
+    assert [s["file"] for s in m["shards"]] == [shard_name(r) for r in range(4)]
+
+
+# ---- clear errors ----------------------------------------------------------------------------------------
+def _copy(root: str, name: str) -> str:
+    first(root)
+    dst = os.path.join(root, "errors", name)
+    shutil.copytree(os.path.join(root, "zero3"), dst)
+    return dst
+
+
+def test_missing_shard_names_the_file(root):
+    d = _copy(root, "missing")
+    os.unlink(os.path.join(d, f"global_step{N}", shard_name(2)))
+    with pytest.raises(CheckpointError, match=f"shard file missing: .*{shard_name(2)}"):
+        load_full_checkpoint(d)
+
+
+def test_truncated_shard_names_the_file(root):
+    d = _copy(root, "truncated")
+    path = os.path.join(d, f"global_step{N}", shard_name(3))
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(CheckpointError, match=f"truncated.*{shard_name(3)}"):
+        load_full_checkpoint(d)
+
+
+def test_torn_shard_of_the_recorded_size_names_the_file(root):
+    resumed(root)  # builds root/corrupt
+    with pytest.raises(CheckpointError, match=f"cannot read shard file .*{shard_name(1)}"):
+        load_full_checkpoint(os.path.join(root, "corrupt"))
+
+
+def test_newer_format_version_says_so(root):
+    d = _copy(root, "newer")
+    path = os.path.join(d, f"global_step{N}", MANIFEST)
+    with open(path) as f:
+        m = json.load(f)
+    m["format_version"] = 2
+    with open(path, "w") as f:
+        json.dump(m, f)
+    with pytest.raises(CheckpointError, match="format version 2, newer than this zeropp reads"):
+        load_full_checkpoint(d)
+
+
+def test_missing_tag_or_latest_says_what_was_looked_for(root):
+    d = _copy(root, "nolatest")
+    with pytest.raises(CheckpointError, match=f"tag 'nope' not found: looked for directory .*nope.*global_step{N}"):
+        load_full_checkpoint(d, tag="nope")
+    os.unlink(os.path.join(d, "latest"))
+    with pytest.raises(CheckpointError, match="no 'latest' file found: looked for .*latest"):
+        load_full_checkpoint(d)
+    assert cli.main(["consolidate", d, os.path.join(root, "x.pt")]) == 1
+
+
+def test_engine_errors_name_the_cause_on_every_rank(root):
+    for rank, res in enumerate(resumed(root)):
+        err = res["errors"]
+        assert "first mismatching parameter is up.weight with shape [12, 7] in the model" in err["mismatch"]
+        assert "up.weight with shape [11, 7] in the checkpoint" in err["mismatch"]
+        assert "tag 'nope' not found" in err["missing_tag"]
+        if rank == 1:
+            assert f"cannot read shard file" in err["one_rank_corrupt"] and shard_name(1) in err["one_rank_corrupt"]
+        else:
+            assert "failed on rank(s) [1]" in err["one_rank_corrupt"]
+        assert err["unchanged"]  # a failed load leaves the engine as it was

@@ -1,0 +1,264 @@
+"""``zeropp train``'s argument handling (in process, nothing launched), the job's config resolution, and the
+errors ``zeropp.initialize`` gives for bad configs (in a subprocess: a world of one initializes a global
+process group, which must not leak into the pytest process)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from zeropp import cli, job
+from zeropp.config import load_config
+
+ZEROPP_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail instead of starting processes if an argument check lets a bad command through."""
+    import torch.distributed.run as tdr
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the launcher was called")
+
+    monkeypatch.setattr(tdr, "run", refuse)
+
+
+def _train_subparser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zeropp")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cli._train_parser(sub)
+    return sub.choices["train"]
+
+
+# ---------------------------------------------------------------------------------------------- cli
+def test_train_help_documents_every_flag(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: zeropp train")
+    options = [a for a in _train_subparser()._actions if a.option_strings]
+    assert len(options) >= 12  # --help plus the eleven flags
+    for action in options:
+        for opt in action.option_strings:
+            assert opt in text, f"{opt} missing from `zeropp train --help`"
+        assert action.help and len(action.help) > 10, f"{action.option_strings} has no real help text"
+    # the defaults users most need are stated
+    for phrase in ("default: 4", "2 nodes x 2 ranks", "--no-zeropp"):
+        assert phrase in " ".join(text.split())
+
+
+def test_top_level_help_lists_train(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "train" in capsys.readouterr().out
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("nproc,rpn", [(3, 2), (4, 3), (2, 4), (4, 0), (0, 1)])
+def test_bad_ranks_per_node(capsys: pytest.CaptureFixture, nproc: int, rpn: int) -> None:
+    rc = cli.main(["train", "--nproc", str(nproc), "--ranks-per-node", str(rpn)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"--ranks-per-node {rpn}" in err and f"--nproc {nproc}" in err
+
+
+def test_missing_config_file(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_config.json"
+    rc = cli.main(["train", "--config", str(missing)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "not found" in err
+
+
+def test_job_args_forward_every_setting(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.json"
+    args = _train_subparser().parse_args(["--steps", "3", "--seed", "9", "--block-size", "16", "--n-layer", "2",
+                                          "--n-embd", "24", "--log-every", "5", "--ranks-per-node", "1",
+                                          "--config", str(cfg), "--no-zeropp", "--out", "r.json"])
+    forwarded = job.job_parser().parse_args(cli._job_args(args))
+    assert (forwarded.steps, forwarded.seed, forwarded.block_size, forwarded.n_layer, forwarded.n_embd,
+            forwarded.log_every, forwarded.ranks_per_node) == (3, 9, 16, 2, 24, 5, 1)
+    assert forwarded.zeropp is False
+    assert forwarded.config == str(cfg) and os.path.isabs(forwarded.out)
+    default = job.job_parser().parse_args(cli._job_args(_train_subparser().parse_args([])))
+    assert default.zeropp is None and default.config is None and default.out is None
+
+
+# ---------------------------------------------------------------------------------------------- job.resolve_config
+def _resolve(argv: list[str], world: int = 4) -> dict:
+    return job.resolve_config(job.job_parser().parse_args(argv), world)
+
+
+def test_resolve_default_is_zeropp_and_valid() -> None:
+    cfg = _resolve([])
+    zero = cfg["zero_optimization"]
+    assert zero["zero_quantized_weights"] is True and zero["zero_quantized_gradients"] is True
+    assert zero["zero_hpz_partition_size"] == 2 and cfg["topology"]["ranks_per_node"] == 2
+    load_config(cfg)
+    assert job.DEFAULT_CONFIG["zero_optimization"]["zero_quantized_weights"] is True  # not mutated by a resolve
+    _resolve(["--no-zeropp"])
+    assert job.DEFAULT_CONFIG["zero_optimization"]["zero_quantized_weights"] is True
+
+
+def test_resolve_no_zeropp_switches_all_three_off() -> None:
+    cfg = _resolve(["--no-zeropp"])
+    zero = cfg["zero_optimization"]
+    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"], zero["zero_hpz_partition_size"]) == \
+        (False, False, 1)
+    assert zero["stage"] == 3
+    load_config(cfg)
+
+
+def test_resolve_zeropp_hpz_follows_ranks_per_node() -> None:
+    cfg = _resolve(["--zeropp", "--ranks-per-node", "4"])
+    assert cfg["zero_optimization"]["zero_hpz_partition_size"] == 4
+    assert cfg["topology"]["ranks_per_node"] == 4
+    cfg = _resolve(["--ranks-per-node", "1"])  # no switch: the config's ZeRO++ settings stay
+    assert cfg["zero_optimization"]["zero_hpz_partition_size"] == 2 and cfg["topology"]["ranks_per_node"] == 1
+
+
+def _write(tmp_path: Path, cfg: dict) -> str:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+PLAIN = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+         "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}
+
+
+def test_resolve_config_file_zeropp_on(tmp_path: Path) -> None:
+    path = _write(tmp_path, PLAIN)
+    cfg = _resolve(["--config", path, "--zeropp"], world=4)
+    zero = cfg["zero_optimization"]
+    assert zero["zero_quantized_weights"] is True and zero["zero_quantized_gradients"] is True
+    assert zero["zero_hpz_partition_size"] == 4  # no topology in the file, no flag: one node of the world
+    assert zero["reduce_bucket_size"] == 1000 and cfg["optimizer"]["params"]["lr"] == 1e-3  # file kept
+    load_config(cfg)
+    cfg = _resolve(["--config", path, "--zeropp", "--ranks-per-node", "2"], world=4)
+    assert cfg["zero_optimization"]["zero_hpz_partition_size"] == 2 and cfg["topology"]["ranks_per_node"] == 2
+    with_topology = _write(tmp_path, {**PLAIN, "topology": {"ranks_per_node": 1}})
+    assert _resolve(["--config", with_topology, "--zeropp"], world=4)["zero_optimization"][
+        "zero_hpz_partition_size"] == 1
+
+
+def test_resolve_config_file_zeropp_off(tmp_path: Path) -> None:
+    on = {**PLAIN, "zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                         "zero_quantized_gradients": True, "zero_hpz_partition_size": 2},
+          "topology": {"ranks_per_node": 2}}
+    path = _write(tmp_path, on)
+    assert _resolve(["--config", path])["zero_optimization"] == on["zero_optimization"]  # untouched
+    zero = _resolve(["--config", path, "--no-zeropp"])["zero_optimization"]
+    assert [zero[k] for k in ZEROPP_KEYS] == [False, False, 1]
+
+
+def test_resolve_config_file_is_validated(tmp_path: Path) -> None:
+    from zeropp.config import ConfigError
+
+    path = _write(tmp_path, {**PLAIN, "zero_optimization": {"stage": 3, "reduce_bucket_sise": 5}})
+    with pytest.raises(ConfigError) as err:
+        _resolve(["--config", path, "--zeropp"])
+    assert "zero_optimization.reduce_bucket_sise" in str(err.value) and path in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------- initialize errors
+INIT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from torch import nn
+    import zeropp
+    from zeropp.config import ConfigError
+    from zeropp.topology import TopologyError
+    out = {}
+    for name, cfg in json.loads(sys.argv[1]):
+        try:
+            zeropp.initialize(model=nn.Linear(3, 2), config=cfg)
+            out[name] = {"type": None, "message": ""}
+        except Exception as e:  # report every error, expected or not
+            out[name] = {"type": type(e).__name__, "message": str(e),
+                         "config_error": isinstance(e, ConfigError), "topology_error": isinstance(e, TopologyError)}
+    print("RESULT " + json.dumps(out))
+""")
+
+BASE = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+@pytest.fixture(scope="module")
+def init_errors(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    bad_file = tmp_path_factory.mktemp("cfg") / "bad.json"
+    bad_file.write_text(json.dumps({**BASE, "zero_optimization": {"stage": 3}, "trian_batch_size": 4}))
+    cases = [  # the topology case initializes the world of one; keep the valid case last
+        ("unknown_key", {**BASE, "zero_optimization": {"stage": 3, "zero_quantised_weights": True}}),
+        ("unknown_key_file", str(bad_file)),
+        ("stage7", {**BASE, "zero_optimization": {"stage": 7}}),
+        ("wrong_type", {**BASE, "zero_optimization": {"stage": 3, "overlap_comm": "yes please"}}),
+        ("ranks_per_node", {**BASE, "zero_optimization": {"stage": 3}, "topology": {"ranks_per_node": 2}}),
+        ("hpz", {**BASE, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}),
+        ("valid", {**BASE, "zero_optimization": {"stage": 3}}),
+    ]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-c", INIT_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr[-3000:]
+    out = json.loads(line[-1][len("RESULT "):])
+    out["_bad_file"] = str(bad_file)
+    return out
+
+
+def test_initialize_unknown_key(init_errors: dict) -> None:
+    r = init_errors["unknown_key"]
+    assert r["config_error"], r
+    assert "zero_optimization.zero_quantised_weights" in r["message"]
+    assert "zero_quantized_weights" in r["message"].split("zero_quantised_weights", 1)[1]  # lists what is accepted
+
+
+def test_initialize_unknown_key_in_file(init_errors: dict) -> None:
+    r = init_errors["unknown_key_file"]
+    assert r["config_error"], r
+    assert "trian_batch_size" in r["message"] and init_errors["_bad_file"] in r["message"]
+
+
+def test_initialize_stage_7(init_errors: dict) -> None:
+    r = init_errors["stage7"]
+    assert r["config_error"], r
+    assert "zero_optimization.stage" in r["message"] and "7" in r["message"]
+
+
+def test_initialize_wrong_type(init_errors: dict) -> None:
+    r = init_errors["wrong_type"]
+    assert r["config_error"], r
+    assert "zero_optimization.overlap_comm" in r["message"]
+
+
+def test_initialize_ranks_per_node_not_dividing_world(init_errors: dict) -> None:
+    r = init_errors["ranks_per_node"]
+    assert r["topology_error"], r
+    assert "topology.ranks_per_node" in r["message"] and "world size 1" in r["message"]
+
+
+def test_initialize_hpz_not_dividing_world(init_errors: dict) -> None:
+    r = init_errors["hpz"]
+    assert r["topology_error"] or r["config_error"], r
+    assert "zero_optimization.zero_hpz_partition_size" in r["message"]
+
+
+def test_initialize_valid_config_in_a_world_of_one(init_errors: dict) -> None:
+    assert init_errors["valid"]["type"] is None, init_errors["valid"]
