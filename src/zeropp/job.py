@@ -29,9 +29,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0,
     "bf16": {"enabled": True},
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
-                                                  "warmup_num_steps": 20, "warmup_type": "linear"}},
+    "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3,
+                                                  "warmup_num_steps": 50, "warmup_type": "linear"}},
     "zero_optimization": {
         "stage": 3,
         "reduce_bucket_size": 2_000_000,

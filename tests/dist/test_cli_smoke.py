@@ -26,7 +26,8 @@ def _run_cli(tmp: Path, extra: list[str]) -> dict:
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "zeropp.cli", "train", *TINY, *extra, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp, env=env)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     assert out.is_file(), proc.stdout[-3000:]
     return {"json": json.loads(out.read_text()), "stdout": proc.stdout, "stderr": proc.stderr}
 

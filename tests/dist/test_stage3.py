@@ -16,8 +16,14 @@ STEPS = 20
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
 
 
+GAS, CLIP, GAS_BATCH = 3, 0.05, 18  # accumulation 3 and a clipping norm below every step's gradient norm
+
+
 def scenarios(rank: int, world: int) -> dict:
     out = {"fp32": train_engine(rank, world, config(GLOBAL_BATCH), STEPS, GLOBAL_BATCH)}
+    if world in (2, 3):
+        cfg = {**config(GAS_BATCH), "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP}
+        out["gas_clip"] = train_engine(rank, world, cfg, STEPS, GAS_BATCH)
     if world == 4:
         out["bf16"] = train_engine(rank, world, {**config(GLOBAL_BATCH), "bf16": {"enabled": True}},
                                    STEPS, GLOBAL_BATCH)
@@ -50,6 +56,24 @@ def test_fp32_matches_single_process(world, reference):
         assert abs(got - want) / abs(want) <= 1e-5, f"world {size} step {step}: loss {got} vs {want}"
     assert param_rel_error(run["state"], reference["state"]) <= 1e-4
     assert set(run["state"]) == set(reference["state"])  # same keys as model.state_dict(), tied included
+
+
+def test_eval_forward_under_no_grad_matches(world, reference):
+    _, results = world
+    got, want = results[0]["fp32"]["eval_loss"], reference["eval_loss"]
+    assert abs(got - want) / want <= 1e-5
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_accumulation_and_clipping_match_single_process(size):
+    run = results_for(size)[0]["gas_clip"]
+    ref = train_reference(STEPS, GAS_BATCH, gas=GAS, clip=CLIP)
+    assert min(ref["grad_norms"]) > CLIP  # the clipping really clips on every step
+    for got, want in zip(run["grad_norms"], ref["grad_norms"]):
+        assert abs(got - want) / want <= 1e-4
+    for step, (got, want) in enumerate(zip(run["losses"], ref["losses"])):
+        assert abs(got - want) / abs(want) <= 1e-5, f"step {step}: {got} vs {want}"
+    assert param_rel_error(run["state"], ref["state"]) <= 1e-4
 
 
 def test_every_rank_consolidates_the_same_state(world):

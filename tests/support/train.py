@@ -24,17 +24,31 @@ def train_engine(rank: int, world: int, cfg: dict, steps: int, global_batch: int
     """Train TiedNet under the engine; losses are averaged over ranks (= the global-batch loss)."""
     torch.manual_seed(seed)
     engine, _, _, _ = zeropp.initialize(model=TiedNet(**model_kwargs), config=cfg)
-    losses = []
+    gas = cfg.get("gradient_accumulation_steps", 1)
+    micro = global_batch // gas
+    losses, norms = [], []
     for step in range(steps):
-        idx, tgt = tied_batch(step, global_batch, vocab=model_kwargs.get("vocab", 13))
-        loss = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
-        engine.backward(loss)
-        engine.step()
-        value = loss.detach().float().reshape(1).clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
+        total = 0.0
+        for k in range(gas):
+            idx, tgt = tied_batch(step * gas + k, micro, vocab=model_kwargs.get("vocab", 13))
+            loss = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
+            engine.backward(loss)
+            engine.step()
+            value = loss.detach().float().reshape(1).clone()
+            dist.all_reduce(value)
+            total += value.item() / world
+        losses.append(total / gas)
+        norms.append(engine.get_global_grad_norm())
+    idx, tgt = tied_batch(10_000, micro, vocab=model_kwargs.get("vocab", 13))
+    engine.eval()
+    with torch.no_grad():
+        value = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world)).float().reshape(1).clone()
+    dist.all_reduce(value)
+    engine.train()
     return {
         "losses": losses,
+        "grad_norms": norms,
+        "eval_loss": value.item() / world,
         "state": engine.consolidated_state_dict(),
         "comm": engine.comm_report(),
         "memory": engine.model_state_bytes(),
@@ -42,21 +56,32 @@ def train_engine(rank: int, world: int, cfg: dict, steps: int, global_batch: int
     }
 
 
-def train_reference(steps: int, global_batch: int, autocast_bf16: bool = False, seed: int = 0) -> dict:
+def train_reference(steps: int, global_batch: int, autocast_bf16: bool = False, seed: int = 0,
+                    gas: int = 1, clip: float = 0.0) -> dict:
     """The same model, optimizer and global batches in one process (optionally under bf16 autocast)."""
     torch.manual_seed(seed)
     model = TiedNet()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW["params"])
-    losses = []
+    micro = global_batch // gas
+    losses, norms = [], []
     for step in range(steps):
-        idx, tgt = tied_batch(step, global_batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-            loss = model(idx, tgt)
-        loss.backward()
+        total = 0.0
+        for k in range(gas):
+            idx, tgt = tied_batch(step * gas + k, micro)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+                loss = model(idx, tgt)
+            (loss / gas).backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        losses.append(total / gas)
+    idx, tgt = tied_batch(10_000, micro)
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+        eval_loss = model(idx, tgt).item()
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def param_rel_error(state: dict, ref: dict) -> float:

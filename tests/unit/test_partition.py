@@ -10,7 +10,8 @@ from zeropp.partition.assign import plan_units
 from zeropp.partition.spec import RowLayout, ShardSpec, take_chunk
 from zeropp.partition.unit import Unit, UnitState
 
-PAIRS = [(n, w) for n in (1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 64, 99, 1000, 1001) for w in (1, 2, 3, 4, 5, 6, 7, 8, 16)]
+NUMELS = (0, 1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 64, 99, 1000, 1001)
+PAIRS = [(n, w) for n in NUMELS for w in (1, 2, 3, 4, 5, 6, 7, 8, 16)]
 
 
 # ---------------------------------------------------------------------------------------------- ShardSpec
@@ -326,3 +327,17 @@ def test_unit_misc_views() -> None:
     gv[1].fill_(7.0)
     assert torch.equal(unit.grad[unit.row.offsets[1]:unit.row.offsets[1] + unit.row.chunks[1]],
                        torch.full((unit.row.chunks[1],), 7.0))
+
+
+def test_unit_with_an_empty_parameter() -> None:
+    empty = nn.Parameter(torch.empty(0, 3))
+    vec = nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    orig = {"e": empty.detach().clone(), "v": vec.detach().clone()}
+    unit = Unit(0, "m", [("e", empty), ("v", vec)], 4, 1, torch.float32)
+    assert unit.row.chunks == (2, 2)  # an empty parameter still gets a (padding-only) chunk
+    assert torch.equal(unit.master, torch.tensor([0.0, 0.0, 3.0, 0.0]))
+    layout = unit.group_layout(4)
+    unit.materialize(_gathered_by_hand(orig, unit, 4), layout)
+    assert empty.shape == (0, 3) and torch.equal(vec.detach(), orig["v"])
+    unit.release()
+    assert empty.shape == (0, 3) and vec.shape == (3,)
