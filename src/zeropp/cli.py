@@ -7,6 +7,13 @@ import sys
 from typing import Optional
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _train_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser(
         "train",
@@ -16,27 +23,29 @@ def _train_parser(sub: "argparse._SubParsersAction") -> None:
         "--ranks-per-node sets how many ranks form one simulated node. Ends with the bytes moved per step, "
         "by phase and link, next to what plain ZeRO-3 would move.",
     )
-    p.add_argument("--nproc", type=int, default=4, help="number of ranks to start (default: 4)")
-    p.add_argument("--ranks-per-node", type=int, default=2,
-                   help="ranks per simulated node; must divide --nproc (default: 2, i.e. 2 nodes x 2 ranks)")
+    p.add_argument("--nproc", type=_positive, default=4, help="number of ranks to start (default: 4)")
+    p.add_argument("--ranks-per-node", type=_positive, default=None,
+                   help="ranks per simulated node; must divide --nproc (default: the config's "
+                   "topology.ranks_per_node; the built-in config has 2, i.e. 2 nodes x 2 ranks)")
     p.add_argument("--config", default=None,
                    help="DeepSpeed-style JSON config (default: the built-in one: bf16, AdamW, ZeRO-3 + ZeRO++)")
     p.add_argument("--zeropp", action=argparse.BooleanOptionalAction, default=None,
                    help="switch qwZ, hpZ (group = one node) and qgZ all on or all off, overriding the config "
                    "(default: as the config says; the built-in config has them on)")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
+    p.add_argument("--steps", type=_positive, default=60, help="optimizer steps (default: 60)")
     p.add_argument("--seed", type=int, default=1234, help="seed for the model and the batches (default: 1234)")
-    p.add_argument("--block-size", type=int, default=128, help="tokens per sequence (default: 128)")
-    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks (default: 4)")
-    p.add_argument("--n-embd", type=int, default=128, help="model width (default: 128)")
-    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines off a terminal")
+    p.add_argument("--block-size", type=_positive, default=128, help="tokens per sequence (default: 128)")
+    p.add_argument("--n-layer", type=_positive, default=4, help="transformer blocks (default: 4)")
+    p.add_argument("--n-embd", type=_positive, default=128, help="model width (default: 128)")
+    p.add_argument("--log-every", type=_positive, default=10, help="steps between progress lines off a terminal")
     p.add_argument("--out", default=None, help="write losses and the communication report to this JSON file")
 
 
 def _job_args(args: argparse.Namespace) -> list[str]:
     out = ["--steps", str(args.steps), "--seed", str(args.seed), "--block-size", str(args.block_size),
-           "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--log-every", str(args.log_every),
-           "--ranks-per-node", str(args.ranks_per_node)]
+           "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--log-every", str(args.log_every)]
+    if args.ranks_per_node:
+        out += ["--ranks-per-node", str(args.ranks_per_node)]
     if args.config:
         out += ["--config", os.path.abspath(args.config)]
     if args.zeropp is not None:
@@ -47,7 +56,7 @@ def _job_args(args: argparse.Namespace) -> list[str]:
 
 
 def train(args: argparse.Namespace) -> int:
-    if args.nproc < 1 or args.ranks_per_node < 1 or args.nproc % args.ranks_per_node:
+    if args.ranks_per_node and args.nproc % args.ranks_per_node:
         print(f"zeropp train: --ranks-per-node {args.ranks_per_node} must divide --nproc {args.nproc}",
               file=sys.stderr)
         return 2

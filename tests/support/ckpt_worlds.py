@@ -122,7 +122,7 @@ def gather_full(engine: Any, pick: Any) -> dict[str, torch.Tensor]:
         for slot, view in zip(unit.slots, unit.master_views()):
             mine = pick(view).contiguous()
             rows = torch.empty(engine.topo.world_size * mine.numel(), dtype=mine.dtype)
-            dist.all_gather_into_tensor(rows, mine)
+            _all_gather(rows, mine)
             out[slot.name] = rows[: slot.spec.numel].view(slot.spec.shape).clone()
     return out
 
@@ -149,6 +149,7 @@ def elastic(rank: int, world: int, root: str, crash_dir: Optional[str]) -> Optio
 
 
 CRASH_CFG = {**config(4), "scheduler": SCHED}
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 
 
 def crash_run(rank: int, world: int, save_dir: str, expected_path: str, point: str) -> None:

@@ -68,12 +68,22 @@ def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
     assert exit_info.value.code == 2
 
 
-@pytest.mark.parametrize("nproc,rpn", [(3, 2), (4, 3), (2, 4), (4, 0), (0, 1)])
+@pytest.mark.parametrize("nproc,rpn", [(3, 2), (4, 3), (2, 4)])
 def test_bad_ranks_per_node(capsys: pytest.CaptureFixture, nproc: int, rpn: int) -> None:
     rc = cli.main(["train", "--nproc", str(nproc), "--ranks-per-node", str(rpn)])
     assert rc == 2
     err = capsys.readouterr().err
     assert f"--ranks-per-node {rpn}" in err and f"--nproc {nproc}" in err
+
+
+@pytest.mark.parametrize("flag", ["--nproc", "--ranks-per-node", "--steps", "--block-size", "--n-embd"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_non_positive_sizes_are_usage_errors(capsys: pytest.CaptureFixture, flag: str, value: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "positive integer" in err
 
 
 def test_missing_config_file(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
@@ -262,3 +272,18 @@ def test_initialize_hpz_not_dividing_world(init_errors: dict) -> None:
 
 def test_initialize_valid_config_in_a_world_of_one(init_errors: dict) -> None:
     assert init_errors["valid"]["type"] is None, init_errors["valid"]
+
+
+def test_config_topology_is_kept_without_ranks_per_node(tmp_path: Path) -> None:
+    """Without --ranks-per-node the job keeps the config file's topology.ranks_per_node."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                                "topology": {"ranks_per_node": 4}}))
+    parsed = argparse.ArgumentParser()
+    sub = parsed.add_subparsers(dest="command")
+    cli._train_parser(sub)
+    args = parsed.parse_args(["train", "--config", str(path)])
+    forwarded = cli._job_args(args)
+    assert "--ranks-per-node" not in forwarded
+    cfg = job.resolve_config(job.job_parser().parse_args(forwarded), 4)
+    assert cfg["topology"]["ranks_per_node"] == 4

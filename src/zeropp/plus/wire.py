@@ -24,7 +24,10 @@ def pack(q: QuantizedRows) -> torch.Tensor:
 
 def unpack(rows: torch.Tensor, payload: int) -> QuantizedRows:
     """Inverse of :func:`pack` for rows whose data part is ``payload`` bytes."""
-    return QuantizedRows(rows[:, :payload].contiguous(), rows[:, payload:].contiguous().view(torch.float32))
+    # clone, not contiguous(): a single row's slice is already "contiguous" but starts at byte offset
+    # `payload`, and viewing bytes as float32 needs a 4-byte aligned offset.
+    scales = rows[:, payload:].clone(memory_format=torch.contiguous_format)
+    return QuantizedRows(rows[:, :payload].contiguous(), scales.view(torch.float32))
 
 
 def quantize_poisoning(x: torch.Tensor, layout: BlockLayout, bits: int) -> QuantizedRows:
