@@ -2,8 +2,8 @@
 elastic resume 4 -> 2 and 4 -> 3, a real SIGKILL in the middle of a save, consolidation without
 torch.distributed, the 16-bit export and the errors that name the file or parameter at fault.
 
-Each world of processes starts once for the module (lru_cache), as in test_stage3.py; see
-tests/support/ckpt_worlds.py for what runs on the ranks.
+Each world of processes starts once for the module (lru_cache), as in test_stage3.py, and independent
+worlds run side by side (see ``worlds``); tests/support/ckpt_worlds.py has what runs on the ranks.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -29,42 +30,61 @@ def root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("ckpt"))
 
 
-@functools.lru_cache(maxsize=None)
-def first(root: str) -> list:
-    return run_world(first_run, 4, root, ranks_per_node=2)
-
-
 def _corrupt_copy(root: str) -> None:
     """``root/corrupt``: the zero3 checkpoint with the end of rank 1's shard zeroed, its size unchanged."""
     dst = os.path.join(root, "corrupt")
-    if not os.path.exists(dst):
-        shutil.copytree(os.path.join(root, "zero3"), dst)
-        path = os.path.join(dst, f"global_step{N}", shard_name(1))
-        size = os.path.getsize(path)
-        with open(path, "r+b") as f:
-            f.seek(size - 256)
-            f.write(bytes(256))
+    shutil.copytree(os.path.join(root, "zero3"), dst)
+    path = os.path.join(dst, f"global_step{N}", shard_name(1))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size - 256)
+        f.write(bytes(256))
 
 
 @functools.lru_cache(maxsize=None)
+def worlds(root: str) -> dict[str, Future]:
+    """Start every world once, each as soon as what it loads exists.
+
+    Process start-up dominates (it is most of each world's time on two cores), so independent worlds
+    overlap: the crash world runs beside the first run, and the three loading worlds beside each other.
+    """
+    pool = ThreadPoolExecutor(max_workers=5)
+    crash_dir, expected = os.path.join(root, "crash"), os.path.join(root, "crash_expected.pt")
+    first = pool.submit(run_world, first_run, 4, root, ranks_per_node=2)
+    crash = pool.submit(run_crashing_world, crash_run, 2, crash_dir, expected, "shard_write:1")
+
+    def resumed() -> list:
+        first.result()
+        _corrupt_copy(root)
+        return run_world(resume, 4, root, ranks_per_node=2)
+
+    def elastic_on(world: int) -> dict:
+        first.result()
+        if world == 2:
+            crash.result()
+        return run_world(elastic, world, root, crash_dir if world == 2 else None)[0]
+
+    out = {"first": first, "crash": crash, "resumed": pool.submit(resumed),
+           "elastic2": pool.submit(elastic_on, 2), "elastic3": pool.submit(elastic_on, 3)}
+    pool.shutdown(wait=False)
+    return out
+
+
+def first(root: str) -> list:
+    return worlds(root)["first"].result()
+
+
 def resumed(root: str) -> list:
-    first(root)
-    _corrupt_copy(root)
-    return run_world(resume, 4, root, ranks_per_node=2)
+    return worlds(root)["resumed"].result()
 
 
-@functools.lru_cache(maxsize=None)
 def crashed(root: str) -> tuple[list[int], str, str]:
-    save_dir, expected = os.path.join(root, "crash"), os.path.join(root, "crash_expected.pt")
-    codes = run_crashing_world(crash_run, 2, save_dir, expected, "shard_write:1")
-    return codes, save_dir, expected
+    codes = worlds(root)["crash"].result()
+    return codes, os.path.join(root, "crash"), os.path.join(root, "crash_expected.pt")
 
 
-@functools.lru_cache(maxsize=None)
 def elastic_on(root: str, world: int) -> dict:
-    first(root)
-    crash_dir = crashed(root)[1] if world == 2 else None
-    return run_world(elastic, world, root, crash_dir)[0]
+    return worlds(root)[f"elastic{world}"].result()
 
 
 def _assert_same_state(got: dict, want: dict) -> None:
@@ -83,6 +103,18 @@ def test_exact_resume_is_bit_for_bit(root, variant):
         assert part[variant]["client_state"] == {"rank": rank, "next": before}
         assert part[variant]["path"] == full[variant]["path"]
     assert first(root)[0]["zero3"]["path"].endswith(f"global_step{N}")
+
+
+def test_reload_into_a_trained_zeropp_engine_drops_its_hpz_slices(root):
+    before, _ = MICRO_STEPS["zeropp"]
+    for full, part in zip(first(root), resumed(root)):
+        assert part["zeropp"]["reloaded_losses"] == full["zeropp"]["losses"][before:]
+
+
+def test_module_only_load_takes_the_weights_alone(root):
+    got = resumed(root)[0]["module_only"]
+    _assert_same_state(got["state"], first(root)[0]["zero3"]["saved_state"])
+    assert got["optimizer_state"] == 0 and got["global_steps"] == 0
 
 
 # ---- elastic resume --------------------------------------------------------------------------------------

@@ -87,6 +87,14 @@ def resume(rank: int, world: int, root: str) -> dict:
         before, after = MICRO_STEPS[name]
         losses = run_steps(engine, rank, world, before, after, MICRO_GLOBAL[name])
         out[name] = {"losses": losses, "path": path, "client_state": client_state}
+        if name == "zeropp":  # load again into the same, trained engine: its hpZ slices must not be used
+            engine.load_checkpoint(os.path.join(root, name))
+            out[name]["reloaded_losses"] = run_steps(engine, rank, world, before, after, MICRO_GLOBAL[name])
+    weights_only = _engine(VARIANTS["zero3"], seed=321)
+    weights_only.load_checkpoint(os.path.join(root, "zero3"), load_module_only=True)
+    state = weights_only.consolidated_state_dict()
+    out["module_only"] = {"state": state if rank == 0 else None, "optimizer_state": len(weights_only.optimizer.state),
+                          "global_steps": weights_only.global_steps}
     out["errors"] = engine_errors(rank, world, root)
     return out
 

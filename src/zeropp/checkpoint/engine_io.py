@@ -243,7 +243,11 @@ class _Loaded:
 
 
 def check_model(manifest: Manifest, params: list[_Param], optimizer_name: Optional[str] = None) -> None:
-    """Raise naming the first parameter (name and shape) where the model and the checkpoint differ."""
+    """Raise naming the first parameter (name and shape) where the model and the checkpoint differ.
+
+    With ``optimizer_name`` (the optimizer state will be loaded) the optimizer class and the position of
+    each parameter in it must match too.
+    """
     saved = manifest.params
     for i in range(max(len(saved), len(params))):
         if i >= len(saved):
@@ -258,7 +262,7 @@ def check_model(manifest: Manifest, params: list[_Param], optimizer_name: Option
                 f"model does not match checkpoint {manifest.path}: first mismatching parameter is "
                 f"{p.name} with shape {list(p.shape)} in the model, {s.name} with shape {list(s.shape)} "
                 "in the checkpoint")
-        if s.optimizer_index != p.optimizer_index:
+        if optimizer_name is not None and s.optimizer_index != p.optimizer_index:
             raise CheckpointError(f"parameter {p.name} is optimizer parameter {p.optimizer_index} in the model "
                                   f"but {s.optimizer_index} in checkpoint {manifest.path} (different trainable set?)")
     saved_opt = manifest.raw.get("engine", {}).get("optimizer")
@@ -272,13 +276,13 @@ def _read_same_world(manifest: Manifest, rank: int) -> _Loaded:
                    shard["counters"], shard.get("rng"), shard.get("buffers", {}), shard.get("client_state"))
 
 
-def _read_resharded(manifest: Manifest, params: list[_Param], rank: int) -> _Loaded:
+def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_optimizer: bool) -> _Loaded:
     saved = manifest.raw.get("engine", {})
-    if saved.get("micro_steps", 0) % max(1, saved.get("gradient_accumulation_steps", 1)):
+    if with_optimizer and saved.get("micro_steps", 0) % max(1, saved.get("gradient_accumulation_steps", 1)):
         raise CheckpointError(f"checkpoint {manifest.path} was saved between gradient accumulation boundaries; "
                               "its partly accumulated gradients only resume on the same world size")
     ranges = {p.name: (rank * p.chunk, p.chunk) for p in params}
-    got = read_ranges(manifest, ranges, with_optimizer=True)
+    got = read_ranges(manifest, ranges, with_optimizer)
     head = got.rank0
     state = {p.optimizer_index: got.optimizer[p.name] for p in params
              if p.optimizer_index is not None and p.name in got.optimizer}
@@ -287,40 +291,57 @@ def _read_resharded(manifest: Manifest, params: list[_Param], rank: int) -> _Loa
                    head.get("buffers", {}), head.get("client_state"))
 
 
-def _apply(engine: "Stage3Engine", params: list[_Param], loaded: _Loaded) -> None:
+def _apply(engine: "Stage3Engine", params: list[_Param], loaded: _Loaded, what: "_What") -> None:
     with torch.no_grad():
         for p in params:
             p.master.copy_(loaded.masters[p.name])
-            if loaded.grads is not None:
+            if loaded.grads is not None and not what.module_only:
                 p.grad.copy_(loaded.grads[p.name])
             else:
                 p.grad.zero_()
         for u in engine.units:
-            u.refresh_shard_from_master()  # recast the 16-bit shard; version bump drops hpZ slices
+            u.shard.copy_(u.master) if u.shard is not u.master else None  # MUTATION
+            # recast the 16-bit shard; version bump drops hpZ slices
         live = _buffers(engine)
         for key, value in loaded.buffers.items():
             if key in live:
                 live[key].copy_(value)
-    engine.optimizer.load_state_dict(loaded.optimizer)
-    if loaded.scheduler is not None and engine.lr_scheduler is not None:
+    if what.module_only:
+        return
+    if what.optimizer:
+        engine.optimizer.load_state_dict(loaded.optimizer)
+    if what.scheduler and loaded.scheduler is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(loaded.scheduler)
     engine.micro_steps = int(loaded.counters["micro_steps"])
     engine.global_steps = int(loaded.counters["global_steps"])
     if loaded.rng is not None:
-        torch.set_rng_state(loaded.rng["torch_cpu"])
+        pass  # MUTATION
         random.setstate(loaded.rng["python"])
         np.random.set_state(loaded.rng["numpy"])
         if "torch_cuda" in loaded.rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(loaded.rng["torch_cuda"])
 
 
-def load_checkpoint(engine: "Stage3Engine", load_dir: str, tag: Optional[str] = None) -> tuple[str, Any]:
+@dataclass(frozen=True)
+class _What:
+    """Which parts of a checkpoint to restore (DeepSpeed's ``load_*`` switches)."""
+
+    optimizer: bool = True
+    scheduler: bool = True
+    module_only: bool = False
+
+
+def load_checkpoint(engine: "Stage3Engine", load_dir: str, tag: Optional[str] = None,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str, Any]:
     """Restore the engine from ``load_dir/tag`` (default: the tag ``latest`` names); ``(path, client_state)``.
 
     Everything is read and checked before the engine is touched: on any error, on any rank, every rank
     raises and the engine is unchanged. Client state: each rank gets its own on the same world size,
-    rank 0's otherwise.
+    rank 0's otherwise. ``load_module_only`` restores the weights (and buffers) alone, e.g. to fine-tune
+    with a fresh optimizer; the optimizer, scheduler, counters and RNG stay as they are.
     """
+    what = _What(load_optimizer_states, load_lr_scheduler_states, load_module_only)
     params = _params(engine)
     rank = engine.topo.rank
     error: Optional[BaseException] = None
@@ -330,16 +351,17 @@ def load_checkpoint(engine: "Stage3Engine", load_dir: str, tag: Optional[str] = 
         _, path = resolve_tag_dir(load_dir, tag)
         manifest = read_manifest(path)
         manifest.check_shards()
-        check_model(manifest, params, type(engine.optimizer).__name__)
+        with_optimizer = what.optimizer and not what.module_only
+        check_model(manifest, params, type(engine.optimizer).__name__ if with_optimizer else None)
         if manifest.world_size == engine.topo.world_size:
             loaded = _read_same_world(manifest, rank)
         else:
-            loaded = _read_resharded(manifest, params, rank)
+            loaded = _read_resharded(manifest, params, rank, with_optimizer)
     except Exception as err:  # noqa: BLE001 - re-raised on this rank by _agree
         error = err
     _agree(engine, error, "loading the checkpoint")
     assert loaded is not None
-    _apply(engine, params, loaded)
+    _apply(engine, params, loaded, what)
     return path, loaded.client_state
 
 

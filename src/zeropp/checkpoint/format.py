@@ -29,7 +29,7 @@ import json
 import os
 import signal
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, BinaryIO
+from typing import Any, BinaryIO, Callable, Optional
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -76,7 +76,7 @@ def atomic_write(path: str, write: Callable[[BinaryIO], None], crash_point: Opti
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as raw:
-            f = _KillAfterHalf(raw, crash_point, rank) if crash_point and _crash_armed(crash_point, rank) else raw
+            f = _KillMidWrite(raw) if crash_point and _crash_armed(crash_point, rank) else raw
             write(f)  # type: ignore[arg-type]
             raw.flush()
             os.fsync(raw.fileno())
@@ -105,10 +105,10 @@ def crash_point(point: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _KillAfterHalf:
+class _KillMidWrite:
     """A file wrapper that SIGKILLs the process once a few writes have reached the disk (a torn file)."""
 
-    def __init__(self, raw: BinaryIO, point: str, rank: int) -> None:
+    def __init__(self, raw: BinaryIO) -> None:
         self.raw, self.writes = raw, 0
 
     def write(self, data: Any) -> int:

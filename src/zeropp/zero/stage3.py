@@ -400,13 +400,15 @@ class Stage3Engine:
         from zeropp.checkpoint import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, Any]:
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str, Any]:
         """Restore weights, optimizer, scheduler, counters and RNG from ``load_dir`` (tag default: ``latest``).
 
         Works on a different world size too (re-sharding). Returns ``(path, client_state)``.
         """
         from zeropp.checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag)
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
         """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""
