@@ -65,8 +65,8 @@ def main() -> None:
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "reduce.json"), "w") as f:
         json.dump(vars(args) | res, f, indent=1)
-    print(f"| world | bucket | gloo reduce_scatter_tensor | all-to-all + fp32 sum | ratio | max abs diff |")
-    print(f"|---|---|---|---|---|---|")
+    print("| world | bucket | gloo reduce_scatter_tensor | all-to-all + fp32 sum | ratio | max abs diff |")
+    print("|---|---|---|---|---|---|")
     print(f"| {args.world} | {args.mb} MiB bf16 | {res['gloo_reduce_scatter']*1e3:.0f} ms | "
           f"{res['all_to_all_sum']*1e3:.0f} ms | {res['ratio_all_to_all_over_gloo']:.2f}x | {res['max_abs_diff']:.2e} |")
 

@@ -250,8 +250,8 @@ class Stage3Engine:
     def _optimizer_step(self) -> None:
         grads = [u.grad.float() for u in self.units]  # transient fp32 copies for the optimizer
         sq = torch.zeros(1, dtype=torch.float64)
-        for g in grads:
-            sq += g.double().pow(2).sum()
+        for g in grads:  # squared norms summed in fp64, without an fp64 copy of the gradients
+            sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
         self.comm.all_reduce(sq, self.topo.world, Phase.OTHER)
         norm = math.sqrt(sq.item())
         self._global_grad_norm = norm
