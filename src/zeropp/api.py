@@ -129,6 +129,7 @@ def initialize(
         model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
         make_scheduler=lr_scheduler or (lambda opt: build_scheduler(cfg.scheduler, opt)),
         trainable=trainable,
+        config=cfg,
     )
     loader = None
     if training_data is not None:

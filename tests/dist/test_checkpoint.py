@@ -21,7 +21,7 @@ from support.ckpt_worlds import GB, MICRO_STEPS, N, VARIANTS, crash_run, elastic
 from support.models import TiedNet, tied_batch
 from support.world import run_world
 from zeropp import cli
-from zeropp.checkpoint import CheckpointError, consolidate, load_full_checkpoint
+from zeropp.checkpoint import CheckpointError, consolidate, list_tags, load_full_checkpoint
 from zeropp.checkpoint.format import MANIFEST, shard_name
 
 
@@ -48,10 +48,13 @@ def worlds(root: str) -> dict[str, Future]:
     Process start-up dominates (it is most of each world's time on two cores), so independent worlds
     overlap: the crash world runs beside the first run, and the three loading worlds beside each other.
     """
-    pool = ThreadPoolExecutor(max_workers=5)
+    pool = ThreadPoolExecutor(max_workers=6)
     crash_dir, expected = os.path.join(root, "crash"), os.path.join(root, "crash_expected.pt")
     first = pool.submit(run_world, first_run, 4, root, ranks_per_node=2)
     crash = pool.submit(run_crashing_world, crash_run, 2, crash_dir, expected, "shard_write:1")
+    late = os.path.join(root, "crash_late")  # killed after the tag's rename, before `latest` moves
+    crash_late = pool.submit(run_crashing_world, crash_run, 1, late, os.path.join(root, "late_expected.pt"),
+                             "before_latest:0")
 
     def resumed() -> list:
         first.result()
@@ -64,7 +67,7 @@ def worlds(root: str) -> dict[str, Future]:
             crash.result()
         return run_world(elastic, world, root, crash_dir if world == 2 else None)[0]
 
-    out = {"first": first, "crash": crash, "resumed": pool.submit(resumed),
+    out = {"first": first, "crash": crash, "crash_late": crash_late, "resumed": pool.submit(resumed),
            "elastic2": pool.submit(elastic_on, 2), "elastic3": pool.submit(elastic_on, 3)}
     pool.shutdown(wait=False)
     return out
@@ -168,6 +171,19 @@ def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_tag(root):
     got = elastic_on(root, 2)  # and a new world of engines loads it
     assert got["crash_path"].endswith(os.sep + "good")
     _assert_same_state(got["crash_state"], want)
+
+
+def test_sigkill_before_latest_moves_leaves_latest_on_the_previous_tag(root):
+    codes = worlds(root)["crash_late"].result()
+    assert codes == [-9]
+    save_dir = os.path.join(root, "crash_late")
+    with open(os.path.join(save_dir, "latest")) as f:
+        assert f.read() == "good"
+    assert list_tags(save_dir) == ["bad", "good"]  # the new tag is complete, just not yet `latest`
+    want = torch.load(os.path.join(root, "late_expected.pt"))
+    _assert_same_state(load_full_checkpoint(save_dir).state_dict, want)
+    later = load_full_checkpoint(save_dir, "bad").state_dict  # one step later
+    assert not all(torch.equal(later[k], want[k]) for k in want)
 
 
 def test_resaving_a_tag_replaces_it_and_leaves_nothing_behind(root):
@@ -277,7 +293,13 @@ def test_engine_errors_name_the_cause_on_every_rank(root):
         assert "up.weight with shape [11, 7] in the checkpoint" in err["mismatch"]
         assert "tag 'nope' not found" in err["missing_tag"]
         if rank == 1:
-            assert f"cannot read shard file" in err["one_rank_corrupt"] and shard_name(1) in err["one_rank_corrupt"]
+            assert "cannot read shard file" in err["one_rank_corrupt"] and shard_name(1) in err["one_rank_corrupt"]
         else:
             assert "failed on rank(s) [1]" in err["one_rank_corrupt"]
         assert err["unchanged"]  # a failed load leaves the engine as it was
+
+
+def test_a_crash_between_the_renames_of_a_resave_still_loads(root):
+    d = _copy(root, "aside")  # as left by a kill after the old tag went aside, before the new one came in
+    os.rename(os.path.join(d, f"global_step{N}"), os.path.join(d, f".global_step{N}.old-0123"))
+    _assert_same_state(load_full_checkpoint(d).state_dict, first(root)[0]["zero3"]["saved_state"])

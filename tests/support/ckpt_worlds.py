@@ -23,7 +23,7 @@ from zeropp.checkpoint.format import CRASH_ENV
 N, M = 3, 3  # steps before the save, steps after it
 GB = 12  # global batch per step, divisible by 2, 3 and 4
 SCHED = {"type": "WarmupLR",
-         "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10, "warmup_type": "linear"}}
+         "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 10, "warmup_type": "linear"}}
 TWO_NODES = {"topology": {"ranks_per_node": 2}}
 VARIANTS = {
     "zero3": {**config(GB), "scheduler": SCHED, **TWO_NODES},
@@ -88,6 +88,9 @@ def resume(rank: int, world: int, root: str) -> dict:
         losses = run_steps(engine, rank, world, before, after, MICRO_GLOBAL[name])
         out[name] = {"losses": losses, "path": path, "client_state": client_state}
         if name == "zeropp":  # load again into the same, trained engine: its hpZ slices must not be used
+            idx, tgt = tied_batch(0, GB)
+            with torch.no_grad():  # a forward after the last step leaves current secondary slices behind
+                engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
             engine.load_checkpoint(os.path.join(root, name))
             out[name]["reloaded_losses"] = run_steps(engine, rank, world, before, after, MICRO_GLOBAL[name])
     weights_only = _engine(VARIANTS["zero3"], seed=321)

@@ -123,7 +123,7 @@ def _shard_payload(engine: "Stage3Engine", params: list[_Param], client_state: A
 
 
 def _config_json(engine: "Stage3Engine") -> Any:
-    cfg = getattr(engine, "config", None)  # set by initialize when it keeps the config; else not recorded
+    cfg = engine.config  # None when the engine was built without initialize
     if cfg is None:
         return None
     if hasattr(cfg, "model_dump"):
@@ -214,17 +214,16 @@ def _publish(engine: "Stage3Engine", tag: str, params: list[_Param], tmp_dir: st
     fsync_dir(tmp_dir)
     crash_point("before_publish", 0)
     save_dir = os.path.dirname(final)
-    aside = None
     if os.path.exists(final):  # re-saving a tag: move the old one aside, never delete before replacing
-        aside = os.path.join(save_dir, f".{tag}.old-{nonce}")
-        os.rename(final, aside)
+        os.rename(final, os.path.join(save_dir, f".{tag}.old-{nonce}"))
     os.rename(tmp_dir, final)
     fsync_dir(save_dir)
     crash_point("before_latest", 0)
     if save_latest:
         atomic_write_text(os.path.join(save_dir, LATEST), tag)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    for name in os.listdir(save_dir):  # this tag's leftovers: the aside copy, torn saves of earlier crashes
+        if name.startswith((f".{tag}.old-", f".{tag}.tmp-")):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
 
 
 # ---- load ------------------------------------------------------------------------------------------------
@@ -300,8 +299,7 @@ def _apply(engine: "Stage3Engine", params: list[_Param], loaded: _Loaded, what: 
             else:
                 p.grad.zero_()
         for u in engine.units:
-            u.shard.copy_(u.master) if u.shard is not u.master else None  # MUTATION
-            # recast the 16-bit shard; version bump drops hpZ slices
+            u.refresh_shard_from_master()  # recast the 16-bit shard; version bump drops hpZ slices
         live = _buffers(engine)
         for key, value in loaded.buffers.items():
             if key in live:
@@ -315,7 +313,7 @@ def _apply(engine: "Stage3Engine", params: list[_Param], loaded: _Loaded, what: 
     engine.micro_steps = int(loaded.counters["micro_steps"])
     engine.global_steps = int(loaded.counters["global_steps"])
     if loaded.rng is not None:
-        pass  # MUTATION
+        torch.set_rng_state(loaded.rng["torch_cpu"])
         random.setstate(loaded.rng["python"])
         np.random.set_state(loaded.rng["numpy"])
         if "torch_cuda" in loaded.rng and torch.cuda.is_available():

@@ -21,7 +21,8 @@ rename). A crash at any point before the directory rename leaves only a hidden t
 before the ``latest`` rename, a complete new tag that ``latest`` does not name yet. Either way the previous
 tag is untouched and ``latest`` still names it. Re-saving an existing tag first renames the old directory
 aside to ``save_dir/.<tag>.old-<nonce>`` and deletes it after the new one is in place; should a crash fall
-between those two renames, loading that tag finds the aside copy (see :func:`resolve_tag_dir`).
+between those two renames, loading that tag finds the aside copy (see :func:`resolve_tag_dir`). A later
+successful save of a tag deletes that tag's leftovers (aside copies, torn temporary directories).
 """
 from __future__ import annotations
 

@@ -75,8 +75,10 @@ class Stage3Engine:
         make_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
         make_scheduler: Callable[[torch.optim.Optimizer], Any] = lambda opt: None,
         trainable: Optional[set[int]] = None,
+        config: Any = None,
     ) -> None:
         self.module = module
+        self.config = config  # the validated config it was built from (recorded in checkpoint manifests)
         self.topo = topo
         self.ledger = ledger
         self.comm = Comm(topo, ledger)
