@@ -7,9 +7,10 @@ For bf16 (32M elements) and fp32 (16M elements), int8 and int4, this times in on
   fast        the same, letting the functions allocate their outputs
   spec        the reference (blockwise.py), allocating
 Throughput is input bytes / second of the round trip (quantize then dequantize); ratios are to copy, except
-the allocating fast path, which is compared with clone as well. The ops are timed round-robin (one of each per
-round, --warmup rounds discarded, --reps rounds kept); GB/s are from per-op medians, ratios are the median of
-the per-round ratios, which cancels most of the background load of a shared machine.
+the allocating fast path, which is compared with clone as well. The ops are timed round-robin: per round,
+each op runs once untimed then once timed; --warmup rounds are discarded, --reps rounds kept. GB/s come from
+per-op medians; ratios are the median of the per-round ratios, which cancels most of the background load of
+a shared machine.
 
 Usage: python bench/bench_quant.py [--block-size 2048] [--reps 9] [--spec-reps 3] [--out bench/results/quant.json]
 """
@@ -35,10 +36,13 @@ MB = 1 << 20
 
 def time_interleaved(ops: dict[str, Callable[[], object]], reps: int, warmup: int) -> dict[str, list[float]]:
     """Time every op once per round, round after round, so that all ops see the same background load (the
-    machine is shared: a copy measured a minute apart can differ 2x). Returns the per-round times."""
+    machine is shared: a copy measured a minute apart can differ 2x). Each timed run follows an untimed run of
+    the same op, so an op is measured in its own steady state (caches, page tables, OpenMP pool), not in the
+    state the previous op left. Returns the per-round times."""
     times: dict[str, list[float]] = {k: [] for k in ops}
     for rnd in range(warmup + reps):
         for name, fn in ops.items():
+            fn()
             t0 = time.perf_counter()
             fn()
             if rnd >= warmup:
@@ -63,7 +67,7 @@ def bench_case(dtype: torch.dtype, layout: BlockLayout, bits: int, args: argpars
     }
     times = time_interleaved(ops, args.reps, args.warmup)
     spec_op = {"spec": lambda: blockwise.dequantize(blockwise.quantize(x, layout, bits), layout, bits, dtype)}
-    spec_times = time_interleaved({"copy": ops["copy"], **spec_op}, args.spec_reps, 1)
+    spec_times = time_interleaved({"copy": ops["copy"], **spec_op}, args.spec_reps, 0)
     times["spec"] = spec_times["spec"]
     med = {k: statistics.median(v) for k, v in times.items()}
 
@@ -100,7 +104,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--spec-reps", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "quant.json"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    p.add_argument("--out", default=os.path.join(here, "results", "quant.json"))
     args = p.parse_args()
 
     t0 = time.perf_counter()
@@ -117,7 +122,8 @@ def main() -> None:
                 cases.append(bench_case(dtype, layout, bits, args))
 
     print(f"fast path available: {have_fast} (build/load + self-test {build_s:.2f} s); "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}")
     print()
     print("| dtype | bits | segments | copy GB/s | spec GB/s | fast GB/s (out=) | fast GB/s (alloc) "
           "| spec / copy | fast (out=) / copy | fast (alloc) / copy | fast (alloc) / clone |")
@@ -130,7 +136,8 @@ def main() -> None:
               f"| {c['ratio_fast_alloc_vs_clone']:.2f} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "fast_available": have_fast, "warmup": args.warmup, "block_size": args.block_size,
+            "threads": torch.get_num_threads(), "fast_available": have_fast, "warmup": args.warmup,
+            "block_size": args.block_size,
             "reps": args.reps, "spec_reps": args.spec_reps}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "cases": cases}, f, indent=1)

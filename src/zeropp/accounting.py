@@ -97,3 +97,21 @@ def model_state_bytes(numels: Sequence[int], world: int, grad_bytes: int = 2, op
     if hpz_group > 1:
         total += sum(c * world // hpz_group for c in chunks) * shard_bytes
     return total
+
+
+def stage_model_state_bytes(numels: Sequence[int], world: int, stage: int, grads_pending: bool,
+                            elem_bytes: int = 2, optimizer_bytes: int = 12) -> int:
+    """Model states per rank for each ZeRO stage (ZeRO section 5.1), with our padding, fp32 masters.
+
+    stage 0: 2M + 2M + 12M; stage 1: 2M + 2M + 12M/P; stage 2: 2M + (2 + 12)M/P; stage 3: (2 + 2 + 12)M/P.
+    ``grads_pending``: measured between backward and the step, when stages 0-1 hold whole gradients (their
+    ``2M`` term; those stages hold no gradient at all right after a step).
+    """
+    shard_world = world if stage >= 1 else 1
+    chunks = _chunks(numels, shard_world)
+    weights = sum(c * shard_world for c in chunks) * elem_bytes  # resident full weights, padded
+    whole_grads = sum(numels) * elem_bytes if grads_pending else 0
+    if stage == 3:
+        return model_state_bytes(numels, world, elem_bytes, optimizer_bytes, elem_bytes)
+    grad_shards = sum(chunks) * elem_bytes if stage == 2 else 0
+    return weights + (whole_grads if stage < 2 else grad_shards) + sum(chunks) * optimizer_bytes

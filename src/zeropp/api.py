@@ -1,7 +1,7 @@
 """``zeropp.initialize``: read the config, build the topology and strategies, wrap the model.
 
-This is the only place that looks at ZeRO++ switches: it turns them into the strategies the engine is
-handed (see :func:`build_strategies`).
+This is the only place that looks at the stage's and ZeRO++'s switches: it turns them into the strategies
+and policy the engine is handed (see :func:`build_strategies`).
 """
 from __future__ import annotations
 
@@ -17,26 +17,35 @@ from zeropp import topology as topo_mod
 from zeropp.comm.gather import AllGather
 from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
-from zeropp.comm.reduce import AllToAllReduceScatter
+from zeropp.comm.reduce import AllReduceMean, AllToAllReduceScatter
 from zeropp.config import ZeroConfig, ZeroppConfig, load_config
 from zeropp.optim import build_optimizer, build_scheduler
 from zeropp.plus.hpz import HpzGather, SecondaryStore
 from zeropp.plus.qgz import QuantizedReduce
 from zeropp.plus.qwz import QuantizedGather
-from zeropp.zero.stage3 import Stage3Engine, Strategies, TrainPolicy
+from zeropp.topology import Group
+from zeropp.zero.engine import Strategies, TrainPolicy, ZeroEngine
+from zeropp.zero.loss_scaler import LossScaler
 
 
 class InitResult(NamedTuple):
     """What :func:`initialize` returns, in DeepSpeed's order."""
 
-    engine: Stage3Engine
+    engine: ZeroEngine
     optimizer: torch.optim.Optimizer
     training_dataloader: Optional[torch.utils.data.DataLoader]
     lr_scheduler: Any
 
 
 def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
-    """Map the ZeRO++ switches to gather and reduce strategies; each switches on independently."""
+    """Map the stage and the ZeRO++ switches to gather and reduce strategies.
+
+    Stages 0-2 gather only after an optimizer step (over a group of one in stage 0, whose every rank holds
+    the whole master); the ZeRO++ switches, stage 3 only, each replace one strategy independently.
+    """
+    if zero.stage == 0:
+        me = Group((comm.topo.rank,))
+        return Strategies(AllGather(comm, me), AllGather(comm, me), AllReduceMean(comm))
     block = zero.quantization_block_size
     forward = (
         QuantizedGather(comm, zero.zero_quantized_weights_bits, block) if zero.zero_quantized_weights
@@ -51,6 +60,16 @@ def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
         else AllToAllReduceScatter(comm)
     )
     return Strategies(forward, backward, reduce)
+
+
+def _precision(cfg: ZeroppConfig) -> tuple[torch.dtype, Optional[LossScaler]]:
+    """The compute dtype and, for fp16, the loss scaler."""
+    if cfg.fp16.enabled:
+        f = cfg.fp16
+        scaler = LossScaler.from_config(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
+                                        f.min_loss_scale)
+        return torch.float16, scaler
+    return (torch.bfloat16 if cfg.bf16.enabled else torch.float32), None
 
 
 def _ensure_process_group() -> None:
@@ -108,11 +127,14 @@ def initialize(
     batch = cfg.resolve_batch(topo.world_size)
     ledger = CommLedger()
     comm = Comm(topo, ledger)
+    compute_dtype, scaler = _precision(cfg)
     policy = TrainPolicy(
-        compute_dtype=torch.bfloat16 if cfg.bf16.enabled else torch.float32,
+        compute_dtype=compute_dtype,
         gradient_accumulation_steps=batch.gradient_accumulation_steps,
         gradient_clipping=cfg.gradient_clipping,
         reduce_bucket_size=zero.reduce_bucket_size,
+        stage=zero.stage,
+        loss_scaler=scaler,
     )
     trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
     named = dict(model.named_parameters())  # masters are named after the parameter they shard
@@ -125,7 +147,7 @@ def initialize(
             return optimizer(tensors)
         return build_optimizer(cfg.optimizer, tensors)
 
-    engine = Stage3Engine(
+    engine = ZeroEngine(
         model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
         make_scheduler=lr_scheduler or (lambda opt: build_scheduler(cfg.scheduler, opt)),
         trainable=trainable,

@@ -205,10 +205,8 @@ class Unsupported:
 
 # Delete a row when its feature lands (and update docs/config.md). A row's path is dotted JSON.
 NOT_SUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("zero_optimization.stage", lambda v: v != 3,
-                "only ZeRO stage 3 is implemented so far; accepted: 3"),
-    Unsupported("fp16.enabled", lambda v: v is True,
-                "fp16 with loss scaling; accepted: false (use bf16.enabled: true for mixed precision)"),
+    Unsupported("fp16.fp16_master_weights_and_grads", lambda v: v is True,
+                "fp16 master weights (zeropp keeps fp32 masters); accepted: false"),
     Unsupported("zero_optimization.offload_optimizer.device", lambda v: v != "none",
                 "optimizer offload; accepted: \"none\""),
     Unsupported("zero_optimization.offload_param.device", lambda v: v != "none",
@@ -245,9 +243,24 @@ def _lookup(cfg: BaseModel, path: str) -> Any:
     return value
 
 
+ZEROPP_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
+
+
+def _zeropp_below_stage3(cfg: ZeroppConfig) -> list[str]:
+    """ZeRO++ techniques act on stage 3's gathers and reductions; below stage 3 they would do nothing."""
+    zero = cfg.zero_optimization
+    if zero.stage == 3:
+        return []
+    on = [k for k in ZEROPP_KEYS
+          if (getattr(zero, k) > 1 if k == "zero_hpz_partition_size" else getattr(zero, k) is True)]
+    return [f"zero_optimization.{k}: needs zero_optimization.stage 3 (got stage {zero.stage}); "
+            f"accepted below stage 3: false (1 for zero_hpz_partition_size)" for k in on]
+
+
 def check_supported(cfg: ZeroppConfig, source: str | None = None) -> None:
     """Raise one `NotSupportedError` listing every `NOT_SUPPORTED` rule that `cfg` hits."""
     hits = [line for rule in NOT_SUPPORTED if (line := rule.check(cfg)) is not None]
+    hits += _zeropp_below_stage3(cfg)
     if hits:
         raise NotSupportedError(hits, source)
 

@@ -109,25 +109,21 @@ class Bf16Config(Section):
 
 
 class Fp16Config(Section):
-    """`fp16`: float16 mixed precision with dynamic loss scaling (DeepSpeed keys; not supported yet)."""
+    """`fp16`: float16 mixed precision with loss scaling (DeepSpeed's keys and semantics)."""
 
-    enabled: bool = F(False, doc="Train in fp16 with loss scaling. `true` is not supported yet.",
-                      status=STATUS_PARTIAL)
-    auto_cast: bool = F(False, doc="Cast inputs to fp16 (inert until fp16 lands).", status=STATUS_INERT)
-    loss_scale: Number = F(0.0, ge=0, doc="Static loss scale; 0 means dynamic (inert until fp16 lands).",
-                           status=STATUS_INERT)
-    initial_scale_power: DSInt = F(16, ge=0, doc="Initial dynamic scale is 2**this (inert until fp16 lands).",
-                                   status=STATUS_INERT)
-    loss_scale_window: DSInt = F(1000, ge=1, doc="Steps without overflow before raising the scale (inert).",
-                                 status=STATUS_INERT)
-    hysteresis: DSInt = F(2, ge=1, doc="Overflows tolerated before lowering the scale (inert).",
-                          status=STATUS_INERT)
-    consecutive_hysteresis: bool = F(False, doc="Refill hysteresis on a good step (inert).",
-                                     status=STATUS_INERT)
-    min_loss_scale: Number = F(1.0, gt=0, doc="Lower bound of the dynamic loss scale (inert).",
-                               status=STATUS_INERT)
-    fp16_master_weights_and_grads: bool = F(False, doc="Keep master weights in fp16 (inert).",
-                                            status=STATUS_INERT)
+    enabled: bool = F(False, doc="Train in fp16: fp16 weights, activations and communication, fp32 masters, "
+                      "loss scaling.")
+    auto_cast: bool = F(False, doc="Cast inputs to fp16; zeropp always casts floating-point inputs to the "
+                        "compute dtype.", status=STATUS_TUNING)
+    loss_scale: Number = F(0.0, ge=0, doc="Static loss scale; 0 means dynamic.")
+    initial_scale_power: DSInt = F(16, ge=0, doc="The dynamic scale starts at 2**this.")
+    loss_scale_window: DSInt = F(1000, ge=1, doc="Steps without overflow before the scale doubles.")
+    hysteresis: DSInt = F(2, ge=1, doc="Overflows absorbed before the scale is halved.")
+    consecutive_hysteresis: bool = F(False, doc="Refill hysteresis on every good step; zeropp refills it when "
+                                     "the scale doubles.", status=STATUS_TUNING)
+    min_loss_scale: Number = F(1.0, gt=0, doc="Lower bound of the dynamic loss scale.")
+    fp16_master_weights_and_grads: bool = F(False, doc="Keep master weights in fp16; `true` is not supported "
+                                            "yet (zeropp keeps fp32 masters).", status=STATUS_PARTIAL)
 
 
 # ------------------------------------------------------------------------------------------------ offload
@@ -167,8 +163,8 @@ class OffloadParamConfig(Section):
 class ZeroConfig(Section):
     """`zero_optimization`: the ZeRO stage, its buckets, and the ZeRO++ switches (qwZ, hpZ, qgZ)."""
 
-    stage: DSInt = F(0, doc="ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters. "
-                     "Only 3 is implemented yet.", status=STATUS_PARTIAL)
+    stage: DSInt = F(0, doc="ZeRO stage: 0 plain data parallelism, 1 partitions optimizer state, 2 also "
+                     "gradients, 3 also parameters.")
     reduce_bucket_size: DSInt = F(500_000_000, ge=1, doc="Gradient elements reduced per bucket "
                                   "(rounded to whole parameters).")
     allgather_bucket_size: DSInt = F(500_000_000, ge=1, doc="Stage 1/2 all-gather bucket size.",

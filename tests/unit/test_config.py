@@ -261,11 +261,8 @@ def test_bf16_and_fp16_together_is_a_plain_config_error() -> None:
 
 # ------------------------------------------------------------------------------------ not supported yet
 @pytest.mark.parametrize("raw, path", [
-    ({"fp16": {"enabled": True}, **stage3()}, "fp16.enabled"),
-    ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage"),
-    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
-    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
-    ({}, "zero_optimization.stage"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, **stage3()},
+     "fp16.fp16_master_weights_and_grads"),
     (stage3(offload_optimizer={"device": "cpu"}), "zero_optimization.offload_optimizer.device"),
     (stage3(offload_param={"device": "nvme", "nvme_path": "/x"}), "zero_optimization.offload_param.device"),
     (stage3(reduce_scatter=False), "zero_optimization.reduce_scatter"),
@@ -290,14 +287,31 @@ def test_not_supported_yet(raw: dict, path: str) -> None:
 
 
 def test_not_supported_lists_every_hit() -> None:
-    err = error_of({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2, "reduce_scatter": False}})
+    err = error_of({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+                    "zero_optimization": {"stage": 2, "reduce_scatter": False, "zero_quantized_weights": True}})
     assert isinstance(err, NotSupportedError) and len(err.problems) == 3
-    assert "zero_optimization.stage: not supported yet: 2 (only ZeRO stage 3" in str(err)
+    assert "zero_optimization.zero_quantized_weights: needs zero_optimization.stage 3 (got stage 2)" in str(err)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_stage_and_fp16_load(stage: int) -> None:
+    cfg = load_config({"zero_optimization": {"stage": stage}, "fp16": {"enabled": True}})
+    assert cfg.zero_optimization.stage == stage and cfg.fp16.enabled
+    assert load_config({}).zero_optimization.stage == 0  # DeepSpeed's default
+
+
+@pytest.mark.parametrize("key, value", [("zero_quantized_weights", True), ("zero_hpz_partition_size", 2),
+                                        ("zero_quantized_gradients", True)])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zeropp_switches_need_stage_3(stage: int, key: str, value: object) -> None:
+    err = error_of({"zero_optimization": {"stage": stage, key: value}})
+    assert isinstance(err, NotSupportedError)
+    assert f"zero_optimization.{key}: needs zero_optimization.stage 3 (got stage {stage})" in str(err)
 
 
 def test_check_supported_is_separate_from_the_schema() -> None:
-    cfg = ZeroppConfig(zero_optimization=ZeroConfig(stage=2))
-    with pytest.raises(NotSupportedError, match="zero_optimization.stage"):
+    cfg = ZeroppConfig(zero_optimization=ZeroConfig(stage=2, zero_quantized_gradients=True))
+    with pytest.raises(NotSupportedError, match="zero_optimization.zero_quantized_gradients"):
         check_supported(cfg)
     with pytest.raises(NotSupportedError):
         load_config(cfg)

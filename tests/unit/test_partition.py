@@ -237,7 +237,11 @@ def test_unit_row_and_master_shard_hand_values() -> None:
     assert [v.data_ptr() for v in unit.master_views()] == [
         unit.master[0:4].data_ptr(), unit.master[4:6].data_ptr(), unit.master[6:8].data_ptr()]
     assert unit.master_views() is unit.master_views()  # same objects every call (optimizer keys)
-    assert unit.grad.shape == (8,) and torch.count_nonzero(unit.grad) == 0
+    assert unit.grad is None  # allocated on first use
+    assert unit.grad_row().shape == (8,) and torch.count_nonzero(unit.grad_row()) == 0
+    assert unit.grad is unit.grad_row()
+    unit.drop_grad()
+    assert unit.grad is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -285,32 +289,31 @@ def test_full_chunk_row_matches_own_shard() -> None:
 
 def test_fp32_master_is_shard() -> None:
     unit, _, _, _ = _make_unit(4, 0, torch.float32)
-    assert unit.shard is unit.master
-    assert len(unit.model_state_tensors()) == 2
+    assert unit.shard_row() is unit.master
+    assert unit.kept_shard is None  # nothing held besides the master
     before = unit.version
     unit.master.add_(1.0)
     unit.refresh_shard_from_master()
     assert unit.version == before + 1
-    assert torch.equal(unit.shard, unit.master)
+    assert torch.equal(unit.shard_row(), unit.master)
 
 
 def test_bf16_master_separate_and_refresh() -> None:
     unit, _, _, orig32 = _make_unit(4, 1, torch.bfloat16)
-    assert unit.shard is not unit.master
-    assert unit.shard.dtype == torch.bfloat16 and unit.master.dtype == torch.float32
-    assert unit.shard.data_ptr() != unit.master.data_ptr()
-    assert torch.equal(unit.shard, unit.master.to(torch.bfloat16))
+    shard = unit.kept_shard
+    assert shard is not None and shard is unit.shard_row() and shard is not unit.master
+    assert shard.dtype == torch.bfloat16 and unit.master.dtype == torch.float32
+    assert shard.data_ptr() != unit.master.data_ptr()
+    assert torch.equal(shard, unit.master.to(torch.bfloat16))
     # the fp32 master keeps full precision (taken from the fp32 parameters, not from the bf16 cast)
     assert torch.equal(unit.master[:4], orig32["w"].reshape(-1)[4:8])
-    assert unit.grad.dtype == torch.bfloat16
-    tensors = unit.model_state_tensors()
-    assert len(tensors) == 3 and any(t is unit.shard for t in tensors)
+    assert unit.grad_row().dtype == torch.bfloat16
     v0 = unit.version
     unit.master.mul_(3.0).add_(0.001)
-    assert not torch.equal(unit.shard, unit.master.to(torch.bfloat16))  # stale until refreshed
+    assert not torch.equal(shard, unit.master.to(torch.bfloat16))  # stale until refreshed
     unit.refresh_shard_from_master()
     assert unit.version == v0 + 1
-    assert torch.equal(unit.shard, unit.master.to(torch.bfloat16))
+    assert torch.equal(shard, unit.master.to(torch.bfloat16))
     unit.refresh_shard_from_master()
     assert unit.version == v0 + 2
 

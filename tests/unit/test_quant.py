@@ -260,6 +260,22 @@ def test_fast_bit_identical_random_layouts(seed):
 
 @needs_fast
 @pytest.mark.parametrize("bits", BITS)
+def test_fast_bit_identical_at_rounding_ties(bits):
+    """x / scale exactly at, and one ulp either side of, every half-integer in [-qmax, qmax]."""
+    qmax = QMAX[bits]
+    rows = []
+    for absmax in (1.0, 0.7, 3.3e-3, 123.4):
+        scale = torch.tensor(absmax, dtype=torch.float32) / qmax
+        mid = (torch.arange(-qmax, qmax, dtype=torch.float32) + 0.5) * scale
+        vals = torch.cat([mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1)])
+        rows.append(torch.cat([torch.tensor([absmax]), vals]))
+    x = torch.stack(rows)
+    layout = BlockLayout((x.shape[1],), x.shape[1] + x.shape[1] % 2)  # one block a row: the scale is absmax/qmax
+    _assert_identical(x, layout, bits)
+
+
+@needs_fast
+@pytest.mark.parametrize("bits", BITS)
 def test_fast_multithreaded_odd_segments(bits):
     """Large enough to split over threads; odd segment lengths put int4 blocks on odd nibble offsets."""
     segs = (1, *([2047] * 150), 0, 3, 4096 * 80)

@@ -1,6 +1,6 @@
 """Save and load a stage-3 engine's training state: one shard file per rank plus rank 0's manifest.
 
-Called through ``Stage3Engine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``; every rank
+Called through ``ZeroEngine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``; every rank
 must call them together. The directory layout and the atomicity argument are in ``format.py`` (Note
 [checkpoint atomicity]).
 
@@ -39,7 +39,7 @@ from zeropp.checkpoint.reshard import read_ranges
 from zeropp.comm.ledger import Phase
 
 if TYPE_CHECKING:
-    from zeropp.zero.stage3 import Stage3Engine
+    from zeropp.zero.engine import ZeroEngine
 
 
 @dataclass
@@ -57,7 +57,7 @@ class _Param:
     optimizer_index: Optional[int]
 
 
-def _params(engine: "Stage3Engine") -> list[_Param]:
+def _params(engine: "ZeroEngine") -> list[_Param]:
     opt_index = {id(t): i for i, t in enumerate(p for g in engine.optimizer.param_groups for p in g["params"])}
     aliases: dict[int, list[str]] = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
@@ -70,13 +70,13 @@ def _params(engine: "Stage3Engine") -> list[_Param]:
     return out
 
 
-def _buffers(engine: "Stage3Engine") -> dict[str, torch.Tensor]:
+def _buffers(engine: "ZeroEngine") -> dict[str, torch.Tensor]:
     """State-dict entries that are not sharded parameters (buffers), as this rank holds them."""
     params = {id(s.param) for u in engine.units for s in u.slots}
     return {k: t for k, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in params}
 
 
-def _agree(engine: "Stage3Engine", error: Optional[BaseException], what: str) -> None:
+def _agree(engine: "ZeroEngine", error: Optional[BaseException], what: str) -> None:
     """Raise on every rank if any rank failed, so no rank waits forever in a later collective."""
     flags = torch.zeros(engine.topo.world_size, dtype=torch.float32)
     flags[engine.topo.rank] = 1.0 if error is not None else 0.0
@@ -88,7 +88,7 @@ def _agree(engine: "Stage3Engine", error: Optional[BaseException], what: str) ->
         raise CheckpointError(f"{what} failed on rank(s) {bad}; their error names the cause")
 
 
-def _shared_nonce(engine: "Stage3Engine") -> str:
+def _shared_nonce(engine: "ZeroEngine") -> str:
     # os.urandom, not torch: drawing from torch's generator would change the RNG state being saved
     value = torch.tensor([int.from_bytes(os.urandom(6), "little") if engine.topo.rank == 0 else 0],
                          dtype=torch.int64)
@@ -104,7 +104,7 @@ def _rng_state() -> dict:
     return out
 
 
-def _shard_payload(engine: "Stage3Engine", params: list[_Param], client_state: Any) -> dict:
+def _shard_payload(engine: "ZeroEngine", params: list[_Param], client_state: Any) -> dict:
     mid_accumulation = engine.micro_steps % engine.policy.gradient_accumulation_steps != 0
     sched = engine.lr_scheduler
     return {
@@ -122,7 +122,7 @@ def _shard_payload(engine: "Stage3Engine", params: list[_Param], client_state: A
     }
 
 
-def _config_json(engine: "Stage3Engine") -> Any:
+def _config_json(engine: "ZeroEngine") -> Any:
     cfg = engine.config  # None when the engine was built without initialize
     if cfg is None:
         return None
@@ -134,7 +134,7 @@ def _config_json(engine: "Stage3Engine") -> Any:
         return repr(cfg)
 
 
-def _manifest(engine: "Stage3Engine", tag: str, params: list[_Param], sizes: list[int]) -> dict:
+def _manifest(engine: "ZeroEngine", tag: str, params: list[_Param], sizes: list[int]) -> dict:
     topo, policy, sched = engine.topo, engine.policy, engine.lr_scheduler
     keys = []
     names_by_alias = {a: p.name for p in params for a in p.aliases}
@@ -169,7 +169,7 @@ def _manifest(engine: "Stage3Engine", tag: str, params: list[_Param], sizes: lis
     }
 
 
-def save_checkpoint(engine: "Stage3Engine", save_dir: str, tag: Optional[str] = None,
+def save_checkpoint(engine: "ZeroEngine", save_dir: str, tag: Optional[str] = None,
                     client_state: Any = None, save_latest: bool = True) -> str:
     """Write this rank's shard (and, on rank 0, the manifest and ``latest``); returns the tag directory.
 
@@ -205,7 +205,7 @@ def save_checkpoint(engine: "Stage3Engine", save_dir: str, tag: Optional[str] = 
     return final
 
 
-def _publish(engine: "Stage3Engine", tag: str, params: list[_Param], tmp_dir: str, final: str, nonce: str,
+def _publish(engine: "ZeroEngine", tag: str, params: list[_Param], tmp_dir: str, final: str, nonce: str,
              save_latest: bool) -> None:
     """Rank 0, once every shard is on disk: manifest, then one directory rename, then ``latest``."""
     sizes = [os.path.getsize(os.path.join(tmp_dir, shard_name(r))) for r in range(engine.topo.world_size)]
@@ -290,7 +290,7 @@ def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_op
                    head.get("buffers", {}), head.get("client_state"))
 
 
-def _apply(engine: "Stage3Engine", params: list[_Param], loaded: _Loaded, what: "_What") -> None:
+def _apply(engine: "ZeroEngine", params: list[_Param], loaded: _Loaded, what: "_What") -> None:
     with torch.no_grad():
         for p in params:
             p.master.copy_(loaded.masters[p.name])
@@ -329,7 +329,7 @@ class _What:
     module_only: bool = False
 
 
-def load_checkpoint(engine: "Stage3Engine", load_dir: str, tag: Optional[str] = None,
+def load_checkpoint(engine: "ZeroEngine", load_dir: str, tag: Optional[str] = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str, Any]:
     """Restore the engine from ``load_dir/tag`` (default: the tag ``latest`` names); ``(path, client_state)``.
@@ -364,7 +364,7 @@ def load_checkpoint(engine: "Stage3Engine", load_dir: str, tag: Optional[str] = 
 
 
 # ---- 16-bit weights --------------------------------------------------------------------------------------
-def save_16bit_model(engine: "Stage3Engine", save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
+def save_16bit_model(engine: "ZeroEngine", save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
     """Gather the full weights (every rank must call) and write them in the compute dtype from rank 0."""
     from zeropp.checkpoint.consolidate import write_state_dict
 

@@ -34,8 +34,9 @@ class AllGather:
         self.group = group or comm.topo.world
 
     def start(self, unit: Unit, phase: Phase) -> GatheredRows:
-        out = torch.empty(self.group.size, unit.row.numel, dtype=unit.shard.dtype)
-        handle = self.comm.all_gather(out, unit.shard, self.group, phase, async_op=True)
+        row = unit.shard_row()
+        out = torch.empty(self.group.size, unit.row.numel, dtype=row.dtype)
+        handle = self.comm.all_gather(out, row, self.group, phase, async_op=True)
         return GatheredRows(out, unit.row, [handle])
 
     def on_release(self, unit: Unit) -> None:

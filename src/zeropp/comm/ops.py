@@ -73,15 +73,16 @@ class Comm:
         work = dist.all_to_all_single(out, inp, group=group.handle, async_op=async_op)
         return Handle(work)
 
-    def all_reduce(self, t: torch.Tensor, group: Group, phase: Phase = Phase.OTHER, op: str = "sum") -> None:
+    def all_reduce(self, t: torch.Tensor, group: Group, phase: Phase = Phase.OTHER, op: str = "sum",
+                   async_op: bool = False) -> Handle:
         """In-place all-reduce; counted as a ring all-reduce receives, 2(P-1)/P of the tensor, split by link."""
         if group.size == 1:
-            return
+            return DONE
         p = group.size
         per_peer = 2 * t.numel() * t.element_size() // p
         self._record_per_peer(group, per_peer, phase)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(t, op=red, group=group.handle)
+        return Handle(dist.all_reduce(t, op=red, group=group.handle, async_op=async_op))
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group, phase: Phase = Phase.OTHER) -> None:
         """In-place broadcast from global rank ``src``."""

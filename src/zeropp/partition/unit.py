@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -56,7 +56,13 @@ class Unit:
         world: int,
         rank: int,
         compute_dtype: torch.dtype,
+        keep_shard: bool = True,
     ) -> None:
+        """Cut each parameter's chunk ``rank`` of ``world`` into the master row and free the full weights.
+
+        ``keep_shard=False`` (stages 0-2, whose full weights stay resident) keeps no 16-bit shard between
+        steps: it is derived from the master when the weights are gathered after an optimizer step.
+        """
         self.index = index
         self.module_name = module_name
         self.world = world
@@ -74,14 +80,13 @@ class Unit:
             full = torch.zeros(spec.padded, dtype=compute_dtype)
             p.data = full[: spec.numel].view(spec.shape)
             self.slots.append(ParamSlot(name, p, spec, full))
-        if compute_dtype == torch.float32:
-            self.shard = self.master  # no separate 16-bit copy in fp32 training
-        else:
-            self.shard = self.master.to(compute_dtype)
-        self.grad = torch.zeros(self.row.numel, dtype=compute_dtype)
+        self._shard: Optional[torch.Tensor] = None
+        if keep_shard:
+            self._shard = self.master if compute_dtype == torch.float32 else self.master.to(compute_dtype)
         # Fixed views: the optimizer keys its state by tensor identity, so they are made once.
         self._master_views = self._split(self.master)
-        self._grad_views = self._split(self.grad)
+        self.grad: Optional[torch.Tensor] = None  # allocated at first use: see grad_row()
+        self._grad_views: list[torch.Tensor] = []
         self.release()
 
     def _split(self, row: torch.Tensor) -> list[torch.Tensor]:
@@ -92,9 +97,32 @@ class Unit:
         """Per-parameter views of the fp32 master row: what the optimizer steps (the same objects each call)."""
         return self._master_views
 
+    def shard_row(self) -> torch.Tensor:
+        """This rank's row in the compute dtype: what a gather sends (derived from the master if not kept)."""
+        if self._shard is not None:
+            return self._shard
+        return self.master if self.compute_dtype == torch.float32 else self.master.to(self.compute_dtype)
+
+    @property
+    def kept_shard(self) -> Optional[torch.Tensor]:
+        """The persistent 16-bit shard, or None where it is derived on demand (or is the fp32 master)."""
+        return self._shard if self._shard is not self.master else None
+
+    def grad_row(self) -> torch.Tensor:
+        """The reduced gradient row (compute dtype), allocated as zeros on first use."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.row.numel, dtype=self.compute_dtype)
+            self._grad_views = self._split(self.grad)
+        return self.grad
+
     def grad_views(self) -> list[torch.Tensor]:
         """Per-parameter views of the reduced gradient row."""
+        self.grad_row()
         return self._grad_views
+
+    def drop_grad(self) -> None:
+        """Free the gradient row (stages that reduce only at the step boundary hold none in between)."""
+        self.grad, self._grad_views = None, []
 
     def params(self) -> Iterator[nn.Parameter]:
         return (s.param for s in self.slots)
@@ -130,12 +158,6 @@ class Unit:
 
     def refresh_shard_from_master(self) -> None:
         """After the optimizer changed the masters: recast the 16-bit shard and mark derived copies stale."""
-        if self.shard is not self.master:
-            self.shard.copy_(self.master)
+        if self._shard is not None and self._shard is not self.master:
+            self._shard.copy_(self.master)
         self.version += 1
-
-    def model_state_tensors(self) -> list[torch.Tensor]:
-        out = [self.master, self.grad]
-        if self.shard is not self.master:
-            out.append(self.shard)
-        return out

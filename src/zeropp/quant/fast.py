@@ -2,12 +2,12 @@
 
 Why a small C kernel and not torch ops or ``torch.compile``: the spec takes ~10 full-size passes over memory
 (cast, abs, amax, divide, round, clamp, cast, pack, ...) and runs at a few percent of copy bandwidth; inductor
-fuses it but measured ~10x slower than a copy on this machine, costs ~20 s of cold compile per shape and
-compiles with fast-math flags (finite-math-only would defeat the inf/nan check). The kernel below makes one
-pass per block while the block sits in L1: max |x| on the integer bit patterns (which also detects inf/nan:
-their exponent bits are all ones), then divide / round-half-even / clamp / pack. Rows x blocks are split over
-``torch.get_num_threads()`` threads of the OpenMP pool (torch's own libgomp, shared by soname; pthreads when
-torch does not use ``libgomp.so.1``, or with ``ZEROPP_QUANT_OPENMP=0``). It is plain C99 (no torch headers), so it builds in
+fuses it but measured ~8x slower than this kernel on the 2-core CI machine and costs ~20 s of cold compile
+per shape (docs/benchmarks.md, "Quantizer kernels"). The kernel makes one pass per block while the block sits
+in L1: max |x| on the integer bit patterns (which also detects inf/nan: their exponent bits are all ones),
+then divide / round-half-even / clamp / pack. Rows x blocks are split over ``torch.get_num_threads()``
+threads of the OpenMP pool (torch's own libgomp, shared by soname; pthreads when torch does not use
+``libgomp.so.1``, or with ``ZEROPP_QUANT_OPENMP=0``). It is plain C99 (no torch headers), so it builds in
 about a second.
 
 Bit-identity with the spec rests on: exact IEEE fp32 division (no ``-ffast-math``, no FMA contraction),
@@ -87,8 +87,16 @@ static inline int8_t qcode(float v, float div, float qmax) {
     return (int8_t)(int32_t)t;
 }
 
+/* Codes of n consecutive elements. (A reciprocal multiply with an exact fallback near rounding boundaries was
+   tried: bit-identical but 1.6x slower here than the plain vectorized division.) */
+#define DEFINE_CODES(SUF, T, LOADF)                                                                  \
+static void codes_##SUF(const T* x, int64_t n, float div, float qmax, int8_t* out) {                 \
+    for (int64_t k = 0; k < n; k++) out[k] = qcode(LOADF(x[k]), div, qmax);                          \
+}
+
 /* Per input dtype: block abs-max on bit patterns (inf/nan have all exponent bits set) and code emission. */
 #define DEFINE_QUANT(SUF, T, UT, ABSMASK, INFBITS, LOADF, ABS2F)                                      \
+DEFINE_CODES(SUF, T, LOADF)                                                                          \
 static int quant_block_##SUF(const T* xr, int64_t s, int64_t e, int bits, float qmax, uint8_t* dr,   \
                              float* scale_out) {                                                     \
     const UT* ur = (const UT*)xr;                                                                    \
@@ -99,7 +107,7 @@ static int quant_block_##SUF(const T* xr, int64_t s, int64_t e, int bits, float 
     float div = scale == 0.0f ? 1.0f : scale;                                                        \
     *scale_out = scale;                                                                              \
     if (bits == 8) {                                                                                 \
-        for (int64_t i = s; i < e; i++) dr[i] = (uint8_t)qcode(LOADF(xr[i]), div, qmax);             \
+        codes_##SUF(xr + s, e - s, div, qmax, (int8_t*)(dr + s));                                    \
         return 0;                                                                                    \
     }                                                                                                \
     int64_t i = s;                                                                                   \
@@ -110,8 +118,7 @@ static int quant_block_##SUF(const T* xr, int64_t s, int64_t e, int bits, float 
     int8_t tmp[CH];                                                                                  \
     while (i < e) {                                                                                  \
         int64_t n = e - i < CH ? e - i : CH, np = n >> 1;                                            \
-        const T* xc = xr + i;                                                                        \
-        for (int64_t k = 0; k < n; k++) tmp[k] = qcode(LOADF(xc[k]), div, qmax);                     \
+        codes_##SUF(xr + i, n, div, qmax, tmp);                                                      \
         uint8_t* o = dr + (i >> 1);                                                                  \
         for (int64_t k = 0; k < np; k++)                                                             \
             o[k] = (uint8_t)((uint8_t)(tmp[2 * k] + 8) | (uint8_t)((tmp[2 * k + 1] + 8) << 4));      \
@@ -328,52 +335,62 @@ def _torch_uses_libgomp() -> bool:
         return False
 
 
-def _build() -> str | None:
-    """Compile the kernel (or find it cached); return the .so path, or None if no compiler works."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        return None
-    variants = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])
+def _variants() -> list[list[str]]:
+    """Extra compiler flags to try, best first."""
+    variants = [["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], []]
     if os.environ.get("ZEROPP_QUANT_OPENMP", "1") == "0" or not _torch_uses_libgomp():
-        variants = tuple(v for v in variants if "-fopenmp" not in v)
-    for extra in variants:
-        flags = _BASE_FLAGS + extra
-        key = hashlib.sha256("\0".join([_C_SOURCE, cc, *flags, _cpu_key()]).encode()).hexdigest()[:16]
-        so = os.path.join(_cache_dir(), f"zeropp_quant_{key}.so")
-        if os.path.exists(so):
+        variants = [v for v in variants if "-fopenmp" not in v]
+    return variants
+
+
+def _build(cc: str, extra: list[str]) -> str | None:
+    """Compile the kernel with ``extra`` flags (or find it cached); return the .so path, or None on failure."""
+    flags = _BASE_FLAGS + extra
+    key = hashlib.sha256("\0".join([_C_SOURCE, cc, *flags, _cpu_key()]).encode()).hexdigest()[:16]
+    so = os.path.join(_cache_dir(), f"zeropp_quant_{key}.so")
+    if os.path.exists(so):
+        return so
+    fd, tmp_so = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(so))
+    os.close(fd)
+    src = tmp_so[:-3] + ".c"
+    try:
+        with open(src, "w") as f:
+            f.write(_C_SOURCE)
+        res = subprocess.run([cc, *flags, src, "-o", tmp_so, "-lm"], capture_output=True, timeout=120)
+        if res.returncode == 0:
+            os.replace(tmp_so, so)  # atomic: concurrent ranks building the same key is harmless
             return so
-        fd, tmp_so = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(so))
-        os.close(fd)
-        src = tmp_so[:-3] + ".c"
-        try:
-            with open(src, "w") as f:
-                f.write(_C_SOURCE)
-            res = subprocess.run([cc, *flags, src, "-o", tmp_so, "-lm"], capture_output=True, timeout=120)
-            if res.returncode == 0:
-                os.replace(tmp_so, so)  # atomic: concurrent ranks building the same key is harmless
-                return so
-        except (OSError, subprocess.SubprocessError):
-            pass
-        finally:
-            for p in (src, tmp_so):
-                if os.path.exists(p):
-                    os.unlink(p)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    finally:
+        for path in (src, tmp_so):
+            if os.path.exists(path):
+                os.unlink(path)
     return None
 
 
 def _load() -> ctypes.CDLL | None:
+    """Build and load the first variant that compiles and loads (e.g. the OpenMP build may fail to load)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    so = _build()
-    if so is None:
-        return None
-    lib = ctypes.CDLL(so)
-    if lib.zq_abi() != 1:
-        return None
-    lib.zq_quantize.restype = i64
-    lib.zq_quantize.argtypes = [ptr, i32, i64, i64, ptr, i64, i32, ptr, i64, ptr, i32]
-    lib.zq_dequantize.restype = None
-    lib.zq_dequantize.argtypes = [ptr, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, i32]
-    return lib
+    for extra in _variants():
+        so = _build(cc, extra)
+        if so is None:
+            continue
+        try:
+            lib = ctypes.CDLL(so)
+        except OSError:
+            continue
+        if lib.zq_abi() != 1:
+            continue
+        lib.zq_quantize.restype = i64
+        lib.zq_quantize.argtypes = [ptr, i32, i64, i64, ptr, i64, i32, ptr, i64, ptr, i32]
+        lib.zq_dequantize.restype = None
+        lib.zq_dequantize.argtypes = [ptr, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, i32]
+        return lib
+    return None
 
 
 def _self_test() -> bool:
@@ -385,7 +402,7 @@ def _self_test() -> bool:
     for dtype in _DTYPE_CODE:
         xd = x.to(dtype)
         for bits in (8, 4):
-            a, b = _quantize_c(xd, layout, bits), spec.quantize(xd, layout, bits)
+            a, b = _quantize_c(xd, layout, bits, None), spec.quantize(xd, layout, bits)
             if not (torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales)):
                 return False
             for out_dtype in _DTYPE_CODE:
@@ -415,7 +432,7 @@ def fast_available() -> bool:
                 except Exception:  # noqa: BLE001
                     ok = False
                 if not ok:
-                    warnings.warn("zeropp.quant: fast kernel disagrees with the reference; using the reference path")
+                    warnings.warn("zeropp.quant: fast kernel disagrees with the reference; using the reference")
                     _lib = None
             _tried = True
     return _lib is not None
@@ -429,7 +446,7 @@ def _starts(layout: BlockLayout) -> torch.Tensor:
     return layout_index(layout, torch.device("cpu")).block_starts
 
 
-def _quantize_c(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None) -> QuantizedRows:
+def _quantize_c(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None) -> QuantizedRows:
     x = x.detach().contiguous()
     g, nb, pb = x.shape[0], layout.num_blocks, payload_bytes(layout, bits)
     if out is None:

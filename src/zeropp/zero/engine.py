@@ -1,6 +1,6 @@
-"""The ZeRO-3 engine: parameters, gradients and optimizer state all partitioned over the world.
+"""The ZeRO engine, stages 0-3: which model states are partitioned is set by a :class:`StagePlan`.
 
-One step, as the engine sees it (see docs/architecture.md for the whole picture):
+One step under stage 3, as the engine sees it (see docs/architecture.md for the whole picture):
 1. forward: a unit's pre-forward hook gathers its weights (``strategies.forward_gather``) and prefetches
    the unit that ran next last time; its post-forward hook hooks the outputs for backward and releases.
 2. backward: the first gradient reaching a unit's outputs gathers it again (``strategies.backward_gather``);
@@ -9,11 +9,16 @@ One step, as the engine sees it (see docs/architecture.md for the whole picture)
 3. step (at an accumulation boundary): fp32 gradients, global-norm clipping, optimizer step on the fp32
    master shards, recast to the 16-bit shards, version bump (which makes any hpZ copy stale).
 
+Stages 0-2 keep the full 16-bit weights resident (no hooks, no per-module gathers) and gather them once
+after each optimizer step; stages 0-1 keep full gradients until the boundary and reduce them once there.
+Stage 0 "shards" over a group of one: every rank holds the whole master and optimizer state.
+
 The engine holds no ZeRO++ flag: which gather and reduce run is decided by the strategies it is handed.
 """
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import warnings
 from dataclasses import dataclass
@@ -30,6 +35,31 @@ from zeropp.partition.assign import plan_units
 from zeropp.partition.unit import Unit, UnitState
 from zeropp.topology import Topology
 from zeropp.zero.buckets import GradBuckets
+from zeropp.zero.loss_scaler import LossScaler
+
+log = logging.getLogger("zeropp")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What one ZeRO stage partitions (ZeRO, Rajbhandari et al. 2020, section 5: P_os, P_os+g, P_os+g+p)."""
+
+    stage: int
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Stages 1-3: fp32 masters and optimizer state are cut over the world (stage 0: a group of one)."""
+        return self.stage >= 1
+
+    @property
+    def reduces_as_ready(self) -> bool:
+        """Stages 2-3: gradients are reduced into shards while backward runs, not kept whole until the step."""
+        return self.stage >= 2
+
+    @property
+    def shards_weights(self) -> bool:
+        """Stage 3: full weights exist only around each module's forward and backward."""
+        return self.stage == 3
 
 
 @dataclass(frozen=True)
@@ -49,6 +79,8 @@ class TrainPolicy:
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
     reduce_bucket_size: int = 500_000_000
+    stage: int = 3
+    loss_scaler: Optional[LossScaler] = None  # fp16 only
 
 
 class Pass(enum.Enum):
@@ -59,8 +91,8 @@ class Pass(enum.Enum):
 _LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
 
 
-class Stage3Engine:
-    """Wraps a model for ZeRO-3 training; build it with :func:`zeropp.initialize`.
+class ZeroEngine:
+    """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.initialize`.
 
     Use it like DeepSpeed's engine: ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
     """
@@ -84,9 +116,14 @@ class Stage3Engine:
         self.comm = Comm(topo, ledger)
         self.strategies = strategies
         self.policy = policy
+        self.plan = StagePlan(policy.stage)
+        self.loss_scaler = policy.loss_scaler
         self._cast_buffers(policy.compute_dtype)
+        self.shard_world = topo.world_size if self.plan.shards_optimizer else 1
         self.units = self._build_units(module)
-        self.buckets = GradBuckets(strategies.reduce, topo.world_size, policy.reduce_bucket_size)
+        self.buckets = GradBuckets(strategies.reduce, self.shard_world, policy.reduce_bucket_size)
+        if not self.plan.shards_weights:
+            self._gather_resident(Phase.OTHER)
         masters = [
             (slot.name, view)
             for u in self.units
@@ -115,17 +152,25 @@ class Stage3Engine:
                     setattr(buf_owner, name, buf.to(dtype))
 
     def _build_units(self, module: nn.Module) -> list[Unit]:
+        shard_rank = self.topo.rank if self.plan.shards_optimizer else 0
         units = []
         for i, plan in enumerate(plan_units(module)):
-            unit = Unit(i, plan.module_name, plan.params, self.topo.world_size, self.topo.rank,
-                        self.policy.compute_dtype)
-            plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
-            plan.module.register_forward_hook(self._make_post_forward(unit))
+            unit = Unit(i, plan.module_name, plan.params, self.shard_world, shard_rank,
+                        self.policy.compute_dtype, keep_shard=self.plan.shards_weights)
+            if self.plan.shards_weights:
+                plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
+                plan.module.register_forward_hook(self._make_post_forward(unit))
             for slot_index, slot in enumerate(unit.slots):
-                if slot.param.requires_grad:
+                if slot.param.requires_grad and self.plan.reduces_as_ready:
                     slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
             units.append(unit)
         return units
+
+    def _gather_resident(self, phase: Phase) -> None:
+        """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
+        for unit in self.units:
+            rows, layout = self.strategies.forward_gather.start(unit, phase).finish()
+            unit.materialize(rows, layout)
 
     # ---- hooks -------------------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit) -> Callable:
@@ -158,7 +203,7 @@ class Stage3Engine:
             self.buckets.add(unit, slot_index, grad)
             left = self._grads_missing.get(unit, unit.needs_grad()) - 1
             self._grads_missing[unit] = left
-            if left == 0 and unit.state is UnitState.GATHERED:
+            if left == 0 and self.plan.shards_weights:
                 self._release(unit, Pass.BACKWARD)
         return hook
 
@@ -207,6 +252,8 @@ class Stage3Engine:
         )
         args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         self._order[Pass.FORWARD] = []
+        if not self.plan.shards_weights:
+            return self.module(*args, **kwargs)
         try:
             return self.module(*args, **kwargs)
         finally:
@@ -217,22 +264,43 @@ class Stage3Engine:
     forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss / gradient_accumulation_steps``, reducing gradients into the owning shards."""
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
+
+        Stages 2-3 reduce gradients into the owning shards as they appear; stages 0-1 accumulate them whole.
+        """
         gas = self.policy.gradient_accumulation_steps
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self._backward_open = True
         self._grads_missing = {}
         self._order[Pass.BACKWARD] = []
         try:
-            (loss / gas if gas > 1 else loss).backward()
+            (loss * (scale / gas) if scale != 1.0 or gas > 1 else loss).backward()
         finally:
             self._finish_backward()
 
     def _finish_backward(self) -> None:
         self.buckets.finish()
-        self._drain_prefetches(Pass.BACKWARD)
-        for unit in self.units:
-            self._release(unit, Pass.BACKWARD)
+        if self.plan.shards_weights:
+            self._drain_prefetches(Pass.BACKWARD)
+            for unit in self.units:
+                self._release(unit, Pass.BACKWARD)
         self._backward_open = False
+
+    def _reduce_whole_gradients(self) -> None:
+        """Stages 0-1, at the boundary: reduce every accumulated full gradient into its shard.
+
+        A trainable parameter without a gradient on this rank contributes zeros, so every rank reduces the
+        same buckets in the same order even when some rank's forward skipped a module.
+        """
+        for unit in self.units:
+            for index, slot in enumerate(unit.slots):
+                p = slot.param
+                if not p.requires_grad:
+                    continue
+                grad = p.grad if p.grad is not None else torch.zeros(p.shape, dtype=self.policy.compute_dtype)
+                p.grad = None
+                self.buckets.add(unit, index, grad)
+        self.buckets.finish()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.policy.gradient_accumulation_steps == 0
@@ -245,22 +313,36 @@ class Stage3Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        if not self.plan.reduces_as_ready:
+            self._reduce_whole_gradients()
         self._optimizer_step()
+        if not self.plan.shards_weights:
+            if not self._skipped:
+                self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
+            for unit in self.units:
+                unit.drop_grad()
         self.global_steps += 1
         self.ledger.close_step()
 
     def _optimizer_step(self) -> None:
-        grads = [u.grad.float() for u in self.units]  # transient fp32 copies for the optimizer
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        grads = [u.grad_row().float() for u in self.units]  # transient fp32 copies for the optimizer
+        if scale != 1.0:
+            for g in grads:
+                g.mul_(1.0 / scale)
         sq = torch.zeros(1, dtype=torch.float64)
         for g in grads:  # squared norms summed in fp64, without an fp64 copy of the gradients
             sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
-        self.comm.all_reduce(sq, self.topo.world, Phase.OTHER)
+        if self.shard_world > 1:  # stage 0 holds whole gradients, identical on every rank
+            self.comm.all_reduce(sq, self.topo.world, Phase.OTHER)
         norm = math.sqrt(sq.item())
         self._global_grad_norm = norm
         self._skipped = not math.isfinite(norm)
-        if self._skipped:
+        if self.loss_scaler is not None:
+            self._note_overflow(self._skipped)
+        elif self._skipped:
             self._report_non_finite()
-        else:
+        if not self._skipped:
             clip = self.policy.gradient_clipping
             if clip > 0 and norm > clip:
                 coef = clip / (norm + 1e-6)
@@ -273,7 +355,21 @@ class Stage3Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         for u in self.units:
-            u.grad.zero_()
+            u.grad_row().zero_()
+
+    def _note_overflow(self, overflow: bool) -> None:
+        """fp16: an overflow is the normal signal to lower the loss scale, not an error."""
+        assert self.loss_scaler is not None
+        before = self.loss_scaler.scale
+        self.loss_scaler.update(overflow)
+        if overflow and self.topo.rank == 0:
+            log.warning("fp16 gradient overflow: step %d skipped, loss scale %g -> %g",
+                        self.global_steps, before, self.loss_scaler.scale)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 when not training in fp16)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def _step_optimizer_masters(self) -> None:
         self.optimizer.step()
@@ -300,11 +396,11 @@ class Stage3Engine:
         """The global gradient norm before clipping, as computed at the last optimizer step."""
         return self._global_grad_norm
 
-    def train(self, mode: bool = True) -> "Stage3Engine":
+    def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
         return self
 
-    def eval(self) -> "Stage3Engine":
+    def eval(self) -> "ZeroEngine":
         return self.train(False)
 
     def parameters(self):  # noqa: ANN201 - mirrors nn.Module
@@ -363,12 +459,17 @@ class Stage3Engine:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the model-state tensors this rank holds, by kind, measured from the tensors.
 
+        ``gathered_params`` are full weights (resident in stages 0-2; 0 between steps in stage 3) and
+        ``full_grads`` whole gradients accumulating before the boundary (stages 0-1).
+
         Optimizer state counts the tensors shaped like a shard (Adam's moments, SGD's momentum); per
         parameter scalars such as Adam's step counter are bookkeeping, not model state, and are left out.
         """
         seen: set[int] = set()
 
-        def size(t: torch.Tensor) -> int:
+        def size(t: Optional[torch.Tensor]) -> int:
+            if t is None:
+                return 0
             key = t.untyped_storage().data_ptr()
             if key in seen or t.untyped_storage().nbytes() == 0:
                 return 0
@@ -377,10 +478,11 @@ class Stage3Engine:
 
         out = {
             "master_fp32": sum(size(u.master) for u in self.units),
-            "shard_16bit": sum(size(u.shard) for u in self.units),
+            "shard_16bit": sum(size(u.kept_shard) for u in self.units),
             "grad_shard": sum(size(u.grad) for u in self.units),
             "optimizer_state": 0,
             "gathered_params": sum(size(s.full) for u in self.units for s in u.slots),
+            "full_grads": sum(size(s.param.grad) for u in self.units for s in u.slots),
         }
         for state in self.optimizer.state.values():
             for t in state.values():

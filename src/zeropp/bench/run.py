@@ -1,0 +1,288 @@
+"""``zeropp bench``: every system, every bandwidth, on a simulated cluster; rows, a report and plots.
+
+For each system the driver starts N x R ranks once (``zeropp.bench.worker``) and walks them through the
+bandwidths in order, re-shaping the links between phases while the ranks wait. Every run is bounded by
+``--timeout``; the namespaces are deleted when the run ends, fails or is interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import sys
+import time
+from typing import Any, Optional
+
+from zeropp.bench import report
+from zeropp.bench.cluster import Cluster, ClusterError, cleanup_prefix
+from zeropp.bench.systems import SYSTEMS, deepspeed_available
+
+BANDWIDTHS = {"unlimited": None, "1gbit": "1gbit", "200mbit": "200mbit", "100mbit": "100mbit"}
+DEFAULT_SYSTEMS = list(SYSTEMS)
+#: The bench GPT: ~19.7M parameters, short sequences and a small micro-batch, so that compute per step is small
+#: next to the 3 x 40 MB (bf16) that plain ZeRO-3 moves per step: link-bound at 200 Mbit/s.
+BENCH_MODEL = {"n_layer": 4, "n_embd": 640, "n_head": 10, "block_size": 64}
+TINY_MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
+
+
+def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="zeropp bench", description=__doc__.splitlines()[0])
+    p.add_argument("--bandwidths", default="unlimited,1gbit,200mbit,100mbit",
+                   help="comma-separated subset of: " + ", ".join(BANDWIDTHS) + " (default: all four)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="comma-separated subset of: " + ", ".join(SYSTEMS) + " (default: all; DeepSpeed rows are "
+                   "skipped with a note when deepspeed is not importable)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per bandwidth (default: 4)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before each bandwidth's timed steps")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--n-layer", type=int, default=BENCH_MODEL["n_layer"])
+    p.add_argument("--n-embd", type=int, default=BENCH_MODEL["n_embd"])
+    p.add_argument("--n-head", type=int, default=BENCH_MODEL["n_head"])
+    p.add_argument("--block-size", type=int, default=BENCH_MODEL["block_size"])
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step (default: 2)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (smoke tests)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ledger-only", action="store_true",
+                   help="all ranks in this namespace over loopback: no root needed, no shaping, no wire counters")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds allowed per system, all bandwidths")
+    p.add_argument("--out", default=os.path.join("bench", "results"), help="output folder (default: bench/results)")
+    p.add_argument("--stem", default="bench", help="output file names: STEM.json, STEM.md, STEM_*.png")
+    p.add_argument("--down", metavar="PREFIX", default=None,
+                   help="only delete the namespaces PREFIX-* that a killed run left behind, and exit")
+    return p
+
+
+def machine() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem = float("nan")
+    import torch
+
+    return (f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Linux {platform.release()}, "
+            f"torch {torch.__version__}, gloo")
+
+
+def _load() -> str:
+    return "/".join(f"{v:.1f}" for v in os.getloadavg())
+
+
+class Progress:
+    """One live status line on a terminal; plain lines (one per finished phase) otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+        self.tty = sys.stdout.isatty()
+
+    def elapsed(self) -> str:
+        s = int(time.monotonic() - self.t0)
+        return f"{s // 60}:{s % 60:02d}"
+
+    def status(self, text: str) -> None:
+        if self.tty:
+            print(f"\r\033[K[{self.done}/{self.total} {self.elapsed()}] {text}", end="", flush=True)
+
+    def line(self, text: str) -> None:
+        self.done += 1
+        print(("\r\033[K" if self.tty else "") + f"[{self.done}/{self.total} {self.elapsed()}] {text}", flush=True)
+
+
+class SystemRun:
+    """Drives one system's ranks through the bandwidth phases (called from the cluster's wait loop)."""
+
+    def __init__(self, cluster: Cluster, name: str, control: str, phases: list[str], progress: Progress) -> None:
+        self.cluster, self.name, self.control, self.phases = cluster, name, control, phases
+        self.progress = progress
+        self.next_go, self.next_row = 0, 0
+        self.rows: list[dict[str, Any]] = []
+
+    def poll(self) -> None:
+        k = self.next_go
+        if k < len(self.phases) and os.path.exists(os.path.join(self.control, f"ready.{k}")):
+            self.cluster.shape(BANDWIDTHS[self.phases[k]])
+            with open(os.path.join(self.control, f"go.{k}"), "w") as f:
+                f.write(self.phases[k])
+            self.next_go += 1
+        self.collect()
+        if self.next_go and self.next_row < len(self.phases):
+            self.progress.status(f"{SYSTEMS[self.name][1]} @ {self.phases[self.next_go - 1]}: {self._last_step()}")
+
+    def _last_step(self) -> str:
+        try:
+            with open(os.path.join(self.control, "progress")) as f:
+                last = f.read().split("\n")[-2].split()
+            return f"step {last[1]} took {float(last[2]):.2f} s"
+        except (OSError, IndexError, ValueError):
+            return "warming up"
+
+    def collect(self) -> None:
+        while self.next_row < len(self.phases):
+            path = os.path.join(self.control, f"row.{self.next_row}.json")
+            if not os.path.exists(path):
+                return
+            with open(path) as f:
+                row = json.load(f)
+            self.rows.append(row)
+            self.next_row += 1
+            wire = row["wire"]["inter_node_bytes_per_step"] / 1e6 if row.get("wire") else None
+            self.progress.line(f"{SYSTEMS[self.name][1]:<30} {row['bandwidth']:>9}: median step "
+                               f"{row['median_step_s']:.3f} s, loss {row['loss']:.4f}"
+                               + (f", wire {wire:.1f} MB/step" if wire is not None else ""))
+
+
+def _log_tail(log_dir: str, lines: int = 12) -> str:
+    tails = []
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            content = f.read().strip().splitlines()
+        if content:
+            tails.append(f"{name}: " + " | ".join(content[-lines:]))
+    return "\n".join(tails)
+
+
+def _error_summary(log_dir: str) -> str:
+    """The most telling line of the ranks' logs (the last exception line), for the table."""
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+        errs = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+        if errs:
+            return f"{name}: {errs[-1][:300]}"
+    return "no error line in the logs"
+
+
+def build_spec(args: argparse.Namespace, phases: list[str], control_dir: str, wire: bool) -> dict[str, Any]:
+    model = dict(TINY_MODEL) if args.tiny else {"n_layer": args.n_layer, "n_embd": args.n_embd,
+                                                 "n_head": args.n_head, "block_size": args.block_size}
+    return {"model": model, "seed": args.seed, "phases": phases, "warmup": args.warmup, "steps": args.steps,
+            "ranks_per_node": args.ranks_per_node, "control_dir": control_dir, "wire_counters": wire,
+            "wait_timeout_s": args.timeout,
+            "train": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "clip": 1.0,
+                      "micro_batch": args.micro_batch, "bucket_elements": 5_000_000}}
+
+
+def _select(text: str, known: dict[str, Any], what: str) -> list[str]:
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in known]
+    if bad:
+        raise SystemExit(f"zeropp bench: unknown {what}: {', '.join(bad)}; known: {', '.join(known)}")
+    return chosen
+
+
+def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
+    bandwidths = _select(args.bandwidths, BANDWIDTHS, "bandwidth")
+    systems = _select(args.systems, SYSTEMS, "system")
+    skipped: dict[str, str] = {}
+    if any(SYSTEMS[s][0] == "deepspeed" for s in systems):
+        ok, why = deepspeed_available()
+        if not ok:
+            skipped = {s: why + "; install the optional extra: DS_BUILD_OPS=0 pip install deepspeed==0.19.8"
+                       for s in systems if SYSTEMS[s][0] == "deepspeed"}
+            systems = [s for s in systems if s not in skipped]
+            print(f"zeropp bench: DeepSpeed rows skipped: {why}", flush=True)
+    cluster = Cluster(args.nodes, args.ranks_per_node, namespaces=not args.ledger_only)
+    if cluster.namespaces:
+        mode = "network namespaces + tc tbf"
+        phases = bandwidths
+    else:
+        mode = "ledger-only (loopback)"
+        phases = ["loopback"]
+        BANDWIDTHS["loopback"] = None
+        print(f"zeropp bench: {cluster.why_local}: running in ledger-only mode: all {cluster.world_size} ranks in "
+              "this namespace over loopback, no link shaping, no wire counters; step times are not link-bound. "
+              "Run as root for the simulated cluster.", flush=True)
+    work = os.path.join(os.path.abspath(args.out), "tmp", cluster.prefix)
+    spec = build_spec(args, phases, os.path.join(work, "control"), cluster.namespaces)
+    os.makedirs(work, exist_ok=True)
+    spec_path = os.path.join(work, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    from zeropp.demo.model import GPT, GPTConfig
+
+    params = GPT(GPTConfig(**{k: spec["model"][k] for k in ("n_layer", "n_embd", "n_head", "block_size")}
+                           )).num_parameters()
+    meta: dict[str, Any] = {
+        "command": argv_text, "date": datetime.date.today().isoformat(), "machine": machine(), "mode": mode,
+        "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "bandwidths": phases, "systems": systems,
+        "skipped": skipped, "model": spec["model"], "parameters": params, "micro_batch": args.micro_batch,
+        "warmup": args.warmup, "steps": args.steps, "train": spec["train"], "load_start": _load(),
+    }
+    rows: list[dict[str, Any]] = []
+    progress = Progress(len(systems) * len(phases))
+    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.path.join(os.path.abspath(args.out), "tmp",
+                                                                         "torch_extensions"),
+           "PYTHONUNBUFFERED": "1"}
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # so `finally` cleans up on kill
+    try:
+        with cluster:
+            if cluster.namespaces:
+                meta["links"] = (f"{args.nodes} node namespaces on a bridge, tc tbf on both ends of each link "
+                                 "(burst 256kb); no added latency: "
+                                 + ("netem is available but not used" if cluster.netem else
+                                    "this kernel has no netem qdisc, so latency cannot be emulated"))
+            else:
+                meta["links"] = "loopback only (ledger-only mode)"
+            print(f"zeropp bench: GPT {params:,} parameters, {args.nodes} nodes x {args.ranks_per_node} ranks, "
+                  f"{mode}; bandwidths {', '.join(phases)}; {args.warmup} warm-up + {args.steps} timed steps each; "
+                  f"{len(systems)} systems. {meta['links']}.", flush=True)
+            for name in systems:
+                control = os.path.join(spec["control_dir"], name)
+                os.makedirs(control, exist_ok=True)
+                log_dir = os.path.join(work, "logs", name)
+                driver = SystemRun(cluster, name, control, phases, progress)
+                cluster.shape(None)
+                ranks = cluster.launch([sys.executable, "-m", "zeropp.bench.worker", spec_path, name], log_dir,
+                                       env=env)
+                error = None
+                try:
+                    codes = cluster.wait(ranks, args.timeout, driver.poll)
+                    if any(codes):
+                        error = f"exit codes {codes}; {_error_summary(log_dir)}"
+                except ClusterError as err:
+                    error = f"{err}; {_error_summary(log_dir)}"
+                driver.collect()
+                rows += driver.rows
+                if error:
+                    print(f"\nzeropp bench: {SYSTEMS[name][1]} failed: {error}\n{_log_tail(log_dir)}", flush=True)
+                    rows.append({"system": name, "error": error})
+                    progress.done += len(phases) - len(driver.rows)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    meta["load_end"] = _load()
+    result = {"meta": meta, "rows": rows}
+    result["targets"] = report.targets(rows, phases)
+    paths = report.write(result, args.out, args.stem)
+    shutil.rmtree(work, ignore_errors=True)
+    print(report.markdown(result))
+    print("wrote " + ", ".join(paths), flush=True)
+    return result
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Optional[list[str]] = None, prog_args: Optional[argparse.Namespace] = None) -> int:
+    args = prog_args or parser().parse_args(argv)
+    if args.down:
+        print("deleted:", " ".join(cleanup_prefix(args.down)) or "nothing")
+        return 0
+    text = "zeropp bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    run(args, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
