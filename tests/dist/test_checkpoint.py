@@ -103,9 +103,15 @@ def test_exact_resume_is_bit_for_bit(root, variant):
     for rank, (full, part) in enumerate(zip(first(root), resumed(root))):
         uninterrupted = full[variant]["losses"][before:]
         assert part[variant]["losses"] == uninterrupted, f"rank {rank}"
+        assert part[variant]["scale"] == full[variant]["scale"]  # the fp16 loss scaler resumes too
         assert part[variant]["client_state"] == {"rank": rank, "next": before}
         assert part[variant]["path"] == full[variant]["path"]
     assert first(root)[0]["zero3"]["path"].endswith(f"global_step{N}")
+
+
+def test_fp16_scale_was_lowered_before_the_save(root):
+    """Otherwise the scaler's resume above would be checked on its initial value only."""
+    assert first(root)[0]["fp16"]["scale"] < 2**22
 
 
 def test_reload_into_a_trained_zeropp_engine_drops_its_hpz_slices(root):

@@ -31,9 +31,17 @@ VARIANTS = {
                "bf16": {"enabled": True}, "scheduler": SCHED, **TWO_NODES},
     # saved between accumulation boundaries: the partly accumulated gradient shards travel too
     "gas2": {**config(16), "gradient_accumulation_steps": 2, "scheduler": SCHED, **TWO_NODES},
+    "stage1": {**config(GB), "scheduler": SCHED, **TWO_NODES},
+    "stage2": {**config(GB), "bf16": {"enabled": True}, "scheduler": SCHED, **TWO_NODES},
+    # a high initial scale overflows and is halved before the save: the resume must continue from it
+    "fp16": {**config(GB), "scheduler": SCHED, **TWO_NODES,
+             "fp16": {"enabled": True, "initial_scale_power": 22, "hysteresis": 1}},
 }
-MICRO_GLOBAL = {"zero3": GB, "zeropp": GB, "gas2": 8}  # samples per micro-step over all ranks
-MICRO_STEPS = {"zero3": (N, M), "zeropp": (N, M), "gas2": (3, 3)}  # gas2 saves after 1.5 optimizer steps
+VARIANTS["stage1"]["zero_optimization"] = {**VARIANTS["stage1"]["zero_optimization"], "stage": 1}
+VARIANTS["stage2"]["zero_optimization"] = {**VARIANTS["stage2"]["zero_optimization"], "stage": 2}
+MICRO_GLOBAL = {"zero3": GB, "zeropp": GB, "gas2": 8, "stage1": GB, "stage2": GB, "fp16": GB}
+MICRO_STEPS = {"zero3": (N, M), "zeropp": (N, M), "gas2": (3, 3),  # gas2 saves after 1.5 optimizer steps
+               "stage1": (N, M), "stage2": (N, M), "fp16": (N, M)}
 
 
 def run_steps(engine: Any, rank: int, world: int, start: int, count: int, micro_global: int,
@@ -68,10 +76,12 @@ def first_run(rank: int, world: int, root: str) -> dict:
         losses = run_steps(engine, rank, world, 0, before, MICRO_GLOBAL[name])
         path = engine.save_checkpoint(os.path.join(root, name), client_state={"rank": rank, "next": before})
         saved = engine.consolidated_state_dict()
+        scale_at_save = engine.loss_scale
         if name == "zeropp":
             engine.save_16bit_model(os.path.join(root, "16bit"))
         losses += run_steps(engine, rank, world, before, after, MICRO_GLOBAL[name])
-        out[name] = {"losses": losses, "path": path, "saved_state": saved if rank == 0 else None}
+        out[name] = {"losses": losses, "path": path, "saved_state": saved if rank == 0 else None,
+                     "scale": scale_at_save}
     resave = os.path.join(root, "resave")  # the same tag twice: the second replaces the first
     engine.save_checkpoint(resave, tag="t", client_state="first")
     engine.save_checkpoint(resave, tag="t", client_state="second")
@@ -84,9 +94,10 @@ def resume(rank: int, world: int, root: str) -> dict:
         engine = _engine(cfg, seed=123)  # different initial weights: the load must replace all of them
         torch.manual_seed(999)  # and a different RNG state
         path, client_state = engine.load_checkpoint(os.path.join(root, name))
+        scale_after_load = engine.loss_scale
         before, after = MICRO_STEPS[name]
         losses = run_steps(engine, rank, world, before, after, MICRO_GLOBAL[name])
-        out[name] = {"losses": losses, "path": path, "client_state": client_state}
+        out[name] = {"losses": losses, "path": path, "client_state": client_state, "scale": scale_after_load}
         if name == "zeropp":  # load again into the same, trained engine: its hpZ slices must not be used
             idx, tgt = tied_batch(0, GB)
             with torch.no_grad():  # a forward after the last step leaves current secondary slices behind

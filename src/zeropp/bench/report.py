@@ -52,6 +52,7 @@ def targets(rows: list[dict[str, Any]], bandwidths: list[str], slow: str = "200m
         met = None if value is None else (value <= target if op == "<=" else value == target)
         out.append({"name": name, "value": value, "target": target, "op": op, "met": met})
 
+    fast = fast if fast in bandwidths or not bandwidths else bandwidths[0]
     wire_bw = slow if slow in bandwidths else (bandwidths[-1] if bandwidths else slow)
     add(f"{slow}: ZeRO++ step / zeropp ZeRO-3 step", _ratio(_step(rows, ZEROPP, slow), _step(rows, "zeropp_zero3", slow)),
         0.45)

@@ -116,6 +116,7 @@ def _shard_payload(engine: "ZeroEngine", params: list[_Param], client_state: Any
         "optimizer": engine.optimizer.state_dict(),
         "scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
         "counters": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps},
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "rng": _rng_state(),
         "buffers": {k: t.detach() for k, t in _buffers(engine).items()},
         "client_state": client_state,
@@ -239,6 +240,7 @@ class _Loaded:
     rng: Optional[dict]
     buffers: dict[str, torch.Tensor]
     client_state: Any
+    loss_scaler: Optional[dict] = None  # fp16 only
 
 
 def check_model(manifest: Manifest, params: list[_Param], optimizer_name: Optional[str] = None) -> None:
@@ -272,7 +274,8 @@ def check_model(manifest: Manifest, params: list[_Param], optimizer_name: Option
 def _read_same_world(manifest: Manifest, rank: int) -> _Loaded:
     shard = load_shard(manifest.shard_path(rank))
     return _Loaded(shard["params"], shard.get("grads"), shard["optimizer"], shard.get("scheduler"),
-                   shard["counters"], shard.get("rng"), shard.get("buffers", {}), shard.get("client_state"))
+                   shard["counters"], shard.get("rng"), shard.get("buffers", {}), shard.get("client_state"),
+                   shard.get("loss_scaler"))
 
 
 def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_optimizer: bool) -> _Loaded:
@@ -287,7 +290,7 @@ def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_op
              if p.optimizer_index is not None and p.name in got.optimizer}
     optimizer = {"state": state, "param_groups": head["optimizer_param_groups"]}
     return _Loaded(got.params, None, optimizer, head.get("scheduler"), head["counters"], None,
-                   head.get("buffers", {}), head.get("client_state"))
+                   head.get("buffers", {}), head.get("client_state"), head.get("loss_scaler"))
 
 
 def _apply(engine: "ZeroEngine", params: list[_Param], loaded: _Loaded, what: "_What") -> None:
@@ -298,14 +301,15 @@ def _apply(engine: "ZeroEngine", params: list[_Param], loaded: _Loaded, what: "_
                 p.grad.copy_(loaded.grads[p.name])
             else:
                 p.grad.zero_()
-        for u in engine.units:
-            u.refresh_shard_from_master()  # recast the 16-bit shard; version bump drops hpZ slices
         live = _buffers(engine)
         for key, value in loaded.buffers.items():
             if key in live:
                 live[key].copy_(value)
+    engine.masters_changed()  # recast 16-bit shards, drop hpZ slices, rebuild resident weights (stages 1-2)
     if what.module_only:
         return
+    if loaded.loss_scaler is not None and engine.loss_scaler is not None:
+        engine.loss_scaler.load_state_dict(loaded.loss_scaler)
     if what.optimizer:
         engine.optimizer.load_state_dict(loaded.optimizer)
     if what.scheduler and loaded.scheduler is not None and engine.lr_scheduler is not None:

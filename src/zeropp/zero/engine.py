@@ -446,10 +446,21 @@ class ZeroEngine:
         with torch.no_grad():
             for u in self.units:
                 for slot, view in zip(u.slots, u.master_views()):
-                    start, stop = slot.spec.owned(self.topo.rank)
+                    start, stop = slot.spec.owned(u.rank)  # u.rank: 0 in stage 0's group of one
                     view.zero_()
                     view[: stop - start].copy_(sources[id(slot.param)][start:stop])
-                u.refresh_shard_from_master()
+        self.masters_changed()
+
+    def masters_changed(self) -> None:
+        """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load).
+
+        Recasts the 16-bit shards and bumps every unit's version (hpZ slices become stale), and in stages
+        0-2 rebuilds the resident full weights from the new shards.
+        """
+        for u in self.units:
+            u.refresh_shard_from_master()
+        if not self.plan.shards_weights:
+            self._gather_resident(Phase.OTHER)
 
     # ---- reports -----------------------------------------------------------------------------------------
     def comm_report(self) -> dict[str, dict[str, int]]:
@@ -502,6 +513,7 @@ class ZeroEngine:
         Returns the tag directory; ``save_dir/latest`` names it once every rank's shard is on disk.
         """
         from zeropp.checkpoint import save_checkpoint
+        self._check_checkpointable()
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
@@ -511,8 +523,15 @@ class ZeroEngine:
         Works on a different world size too (re-sharding). Returns ``(path, client_state)``.
         """
         from zeropp.checkpoint import load_checkpoint
+        self._check_checkpointable()
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                load_module_only)
+
+    def _check_checkpointable(self) -> None:
+        from zeropp.checkpoint import CheckpointError
+        if not self.plan.shards_optimizer:
+            raise CheckpointError("save_checkpoint/load_checkpoint: stage 0 (every rank holds the whole optimizer "
+                                  "state) is not supported yet; use stage 1, 2 or 3, or consolidated_state_dict()")
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
         """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""
