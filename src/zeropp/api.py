@@ -106,6 +106,7 @@ def initialize(
     training_data: Optional[torch.utils.data.Dataset] = None,
     lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
     config_params: Optional[dict] = None,
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None,
 ) -> InitResult:
     """Partition ``model`` over the data-parallel ranks and return ``(engine, optimizer, dataloader, scheduler)``.
 
@@ -119,6 +120,9 @@ def initialize(
         training_data: a dataset; if given, a loader of ``train_micro_batch_size_per_gpu`` with a
             distributed sampler is returned.
         lr_scheduler: a callable ``optimizer -> scheduler``; default: the config's ``scheduler`` section.
+        param_init_fn: for a model built under ``torch.device("meta")``: called on each module once its
+            parameters exist on the host (default: ``module.reset_parameters()``); parameters are created,
+            initialized and sharded a unit at a time, so no rank ever holds the whole model.
     """
     cfg = load_config(config if config is not None else (config_params or {}))
     _ensure_process_group()
@@ -152,6 +156,7 @@ def initialize(
         make_scheduler=lr_scheduler or (lambda opt: build_scheduler(cfg.scheduler, opt)),
         trainable=trainable,
         config=cfg,
+        param_init_fn=param_init_fn,
     )
     loader = None
     if training_data is not None:

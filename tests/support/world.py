@@ -39,15 +39,29 @@ def _worker(rank: int, world: int, ranks_per_node: int, port: int, out_dir: str,
         dist.destroy_process_group()
 
 
-def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None = None, timeout: float = 600) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in rank order."""
+def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None = None, timeout: float = 600,
+              env: dict[str, str] | None = None) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in rank order.
+
+    ``env`` is set in the ranks' environment from their start (for settings read before Python runs, such
+    as glibc's malloc tunables).
+    """
     rpn = ranks_per_node or world
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
         port = _free_port()
         procs = [ctx.Process(target=_worker, args=(r, world, rpn, port, out_dir, fn, args)) for r in range(world)]
-        for p in procs:
-            p.start()
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         for p in procs:
             p.join(timeout)
         for p in procs:

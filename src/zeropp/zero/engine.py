@@ -32,6 +32,7 @@ from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather, ReduceStrategy
 from zeropp.partition.assign import plan_units
+from zeropp.partition.meta import MetaMaterializer
 from zeropp.partition.unit import Unit, UnitState
 from zeropp.topology import Topology
 from zeropp.zero.buckets import GradBuckets
@@ -108,6 +109,7 @@ class ZeroEngine:
         make_scheduler: Callable[[torch.optim.Optimizer], Any] = lambda opt: None,
         trainable: Optional[set[int]] = None,
         config: Any = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
     ) -> None:
         self.module = module
         self.config = config  # the validated config it was built from (recorded in checkpoint manifests)
@@ -120,7 +122,7 @@ class ZeroEngine:
         self.loss_scaler = policy.loss_scaler
         self._cast_buffers(policy.compute_dtype)
         self.shard_world = topo.world_size if self.plan.shards_optimizer else 1
-        self.units = self._build_units(module)
+        self.units, trainable = self._build_units(module, param_init_fn, trainable)
         self.buckets = GradBuckets(strategies.reduce, self.shard_world, policy.reduce_bucket_size)
         if not self.plan.shards_weights:
             self._gather_resident(Phase.OTHER)
@@ -151,10 +153,20 @@ class ZeroEngine:
                 if buf.is_floating_point():
                     setattr(buf_owner, name, buf.to(dtype))
 
-    def _build_units(self, module: nn.Module) -> list[Unit]:
+    def _build_units(
+        self, module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]],
+        trainable: Optional[set[int]],
+    ) -> tuple[list[Unit], Optional[set[int]]]:
+        """Cut every unit's parameters into shards; a meta-device model is materialized unit by unit.
+
+        Returns the units and ``trainable`` with meta parameters' ids mapped to their replacements.
+        """
         shard_rank = self.topo.rank if self.plan.shards_optimizer else 0
+        meta = MetaMaterializer(module, param_init_fn) if MetaMaterializer.needed(module) else None
         units = []
         for i, plan in enumerate(plan_units(module)):
+            if meta is not None:
+                plan = meta.realize(plan)
             unit = Unit(i, plan.module_name, plan.params, self.shard_world, shard_rank,
                         self.policy.compute_dtype, keep_shard=self.plan.shards_weights)
             if self.plan.shards_weights:
@@ -164,7 +176,11 @@ class ZeroEngine:
                 if slot.param.requires_grad and self.plan.reduces_as_ready:
                     slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
             units.append(unit)
-        return units
+        if meta is not None:
+            meta.finish()
+            if trainable is not None:
+                trainable = {id(meta.replaced[pid]) if pid in meta.replaced else pid for pid in trainable}
+        return units, trainable
 
     def _gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
