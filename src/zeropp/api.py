@@ -5,6 +5,7 @@ and policy the engine is handed (see :func:`build_strategies`).
 """
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
@@ -90,12 +91,16 @@ def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor
 
     ``master_of`` maps ``id(model parameter)`` to its fp32 master shard; parameters without one are frozen.
     """
+    cls = type(user_opt)
+    # `defaults` can hold bookkeeping keys the constructor does not take (torch 2.13's AdamW records
+    # `decoupled_weight_decay`); only the constructor's own arguments are passed back to it.
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     groups = []
     for group in user_opt.param_groups:
         g = {k: v for k, v in group.items() if k != "params"}
         g["params"] = [master_of[id(p)] for p in group["params"] if id(p) in master_of]
         groups.append(g)
-    return type(user_opt)(groups, **user_opt.defaults)
+    return cls(groups, **{k: v for k, v in user_opt.defaults.items() if k in accepted})
 
 
 def initialize(

@@ -82,6 +82,33 @@ def reload_case(rank: int, world: int, stage: int, tmp: str) -> dict:
     return {"got": got, "want": want, "save_error": error}
 
 
+def grouped_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Two parameter groups: decay on matrices, none on vectors (biases, norms, the bare gain)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.5}, {"params": rest, "weight_decay": 0.0}],
+                             lr=5e-3, betas=(0.8, 0.95))
+
+
+def user_optimizer_run(rank: int, world: int, stage: int) -> dict:
+    torch.manual_seed(0)
+    model = TiedNet()
+    engine, optimizer, *_ = zeropp.initialize(model=model, config=stage_config(stage),
+                                              optimizer=grouped_adamw(model))
+    losses = []
+    for step in range(6):
+        idx, tgt = tied_batch(step, GB)
+        loss = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().reshape(1).clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])}
+              for g in optimizer.param_groups]
+    return {"losses": losses, "type": type(optimizer).__name__, "groups": groups}
+
+
 def scenarios(rank: int, world: int, tmp: str = "") -> dict:
     out = {}
     for stage in (0, 1, 2):
@@ -94,6 +121,8 @@ def scenarios(rank: int, world: int, tmp: str = "") -> dict:
             out[("fp16", stage)] = fp16_run(rank, world, stage)
         for stage in (0, 1, 2):
             out[("reload", stage)] = reload_case(rank, world, stage, f"{tmp}/stage{stage}")
+        for stage in (1, 3):
+            out[("user_opt", stage)] = user_optimizer_run(rank, world, stage)
     return out
 
 
@@ -179,3 +208,25 @@ def test_state_dict_load_rebuilds_resident_weights(stage):
             assert case["save_error"].startswith("CheckpointError") and "stage 0" in case["save_error"]
         else:
             assert case["save_error"] == ""
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_users_torch_optimizer_keeps_its_class_groups_and_hyper_parameters(stage):
+    torch.manual_seed(0)
+    model = TiedNet()
+    opt = grouped_adamw(model)
+    want = []
+    for step in range(6):
+        idx, tgt = tied_batch(step, GB)
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for rank_result in results_for(2):
+        run = rank_result[("user_opt", stage)]
+        assert run["type"] == "AdamW"
+        assert [(g["weight_decay"], g["lr"], g["betas"], g["n"]) for g in run["groups"]] == [
+            (0.5, 5e-3, (0.8, 0.95), 3), (0.0, 5e-3, (0.8, 0.95), 5)]
+        for got, ref in zip(run["losses"], want):
+            assert abs(got - ref) / ref <= 1e-5
