@@ -73,6 +73,12 @@ def _precision(cfg: ZeroppConfig) -> tuple[torch.dtype, Optional[LossScaler]]:
     return (torch.bfloat16 if cfg.bf16.enabled else torch.float32), None
 
 
+def _delayed_update_after(zero: ZeroConfig) -> Optional[int]:
+    """Optimizer steps before delayed parameter updates start, or None when DPU is off."""
+    off = zero.offload_optimizer
+    return off.delayed_update_warmup_steps if off is not None and off.delayed_update else None
+
+
 def _ensure_process_group() -> None:
     """Join torchrun's process group (gloo on CPU, NCCL on CUDA); a lone process forms a world of one."""
     if dist.is_initialized():
@@ -144,6 +150,7 @@ def initialize(
         reduce_bucket_size=zero.reduce_bucket_size,
         stage=zero.stage,
         loss_scaler=scaler,
+        delayed_update_after=_delayed_update_after(zero),
     )
     trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
     named = dict(model.named_parameters())  # masters are named after the parameter they shard

@@ -143,6 +143,12 @@ class OffloadOptimizerConfig(Section):
     fast_init: bool = F(False, doc="Fast optimizer init with NVMe (inert).", status=STATUS_INERT)
     ratio: Number = F(1.0, ge=0, le=1, doc="Fraction of optimizer state offloaded (inert).",
                       status=STATUS_INERT)
+    delayed_update: bool = F(False, doc="Our extension: ZeRO-Offload's delayed parameter update (DPU). After "
+                             "`delayed_update_warmup_steps` optimizer steps, each step's update runs in the "
+                             "background while the next forward/backward uses the weights from one step "
+                             "earlier.")
+    delayed_update_warmup_steps: DSInt = F(10, ge=0, doc="Our extension: optimizer steps applied at once before "
+                                           "DPU starts (the ZeRO-Offload paper warms up without delay).")
 
 
 class OffloadParamConfig(Section):

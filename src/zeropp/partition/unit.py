@@ -57,11 +57,13 @@ class Unit:
         rank: int,
         compute_dtype: torch.dtype,
         keep_shard: bool = True,
+        alias_fp32_shard: bool = True,
     ) -> None:
         """Cut each parameter's chunk ``rank`` of ``world`` into the master row and free the full weights.
 
         ``keep_shard=False`` (stages 0-2, whose full weights stay resident) keeps no 16-bit shard between
-        steps: it is derived from the master when the weights are gathered after an optimizer step.
+        steps: it is derived from the master when the weights are gathered after an optimizer step. In fp32
+        the kept shard is the master itself unless ``alias_fp32_shard`` is False (delayed updates).
         """
         self.index = index
         self.module_name = module_name
@@ -82,7 +84,8 @@ class Unit:
             self.slots.append(ParamSlot(name, p, spec, full))
         self._shard: Optional[torch.Tensor] = None
         if keep_shard:
-            self._shard = self.master if compute_dtype == torch.float32 else self.master.to(compute_dtype)
+            alias = compute_dtype == torch.float32 and alias_fp32_shard
+            self._shard = self.master if alias else self.master.to(compute_dtype, copy=True)
         # Fixed views: the optimizer keys its state by tensor identity, so they are made once.
         self._master_views = self._split(self.master)
         self.grad: Optional[torch.Tensor] = None  # allocated at first use: see grad_row()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -82,6 +83,27 @@ class TrainPolicy:
     reduce_bucket_size: int = 500_000_000
     stage: int = 3
     loss_scaler: Optional[LossScaler] = None  # fp16 only
+    delayed_update_after: Optional[int] = None  # DPU: optimizer steps before updates run in the background
+
+
+class _BackgroundUpdate:
+    """One optimizer update on a daemon thread; ``wait`` re-raises what it raised."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="zeropp-delayed-update", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as err:  # re-raised on the training thread by wait()
+            self._error = err
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class Pass(enum.Enum):
@@ -144,6 +166,7 @@ class ZeroEngine:
         self.global_steps = 0
         self._global_grad_norm: Optional[float] = None
         self._skipped = False
+        self._update: Optional[_BackgroundUpdate] = None
         self.ledger.reset()  # set-up traffic is not a training step
 
     # ---- construction ------------------------------------------------------------------------------------
@@ -167,8 +190,10 @@ class ZeroEngine:
         for i, plan in enumerate(plan_units(module)):
             if meta is not None:
                 plan = meta.realize(plan)
+            # A delayed update writes the masters while the next forward gathers the shard: never alias them.
             unit = Unit(i, plan.module_name, plan.params, self.shard_world, shard_rank,
-                        self.policy.compute_dtype, keep_shard=self.plan.shards_weights)
+                        self.policy.compute_dtype, keep_shard=self.plan.shards_weights,
+                        alias_fp32_shard=self.policy.delayed_update_after is None)
             if self.plan.shards_weights:
                 plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
                 plan.module.register_forward_hook(self._make_post_forward(unit))
@@ -331,18 +356,28 @@ class ZeroEngine:
             return
         if not self.plan.reduces_as_ready:
             self._reduce_whole_gradients()
-        self._optimizer_step()
+        after = self.policy.delayed_update_after
+        delayed = after is not None and self.global_steps >= after
+        if delayed:
+            self.join_update()  # the previous step's update becomes the next forward's weights
+        self._optimizer_step(background=delayed)
         if not self.plan.shards_weights:
-            if not self._skipped:
-                self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
             for unit in self.units:
                 unit.drop_grad()
         self.global_steps += 1
         self.ledger.close_step()
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, background: bool = False) -> None:
+        """Unscale, take the global norm, skip or clip, then update the masters.
+
+        ``background`` (delayed parameter update): the update runs on a thread and is published by the
+        next :meth:`join_update`; the norm's collective stays on this thread, so every rank issues its
+        collectives in the same order whatever the thread's timing.
+        """
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        grads = [u.grad_row().float() for u in self.units]  # transient fp32 copies for the optimizer
+        # fp32 copies for the optimizer (.float() of an fp32 row is the row itself, which is zeroed below
+        # while a background update may still read its gradients: copy then)
+        grads = [u.grad_row().to(torch.float32, copy=background) for u in self.units]
         if scale != 1.0:
             for g in grads:
                 g.mul_(1.0 / scale)
@@ -367,11 +402,13 @@ class ZeroEngine:
             for u, g in zip(self.units, grads):
                 for view, o, c in zip(u.master_views(), u.row.offsets, u.row.chunks):
                     view.grad = g[o : o + c]
-            self._step_optimizer_masters()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+            if background:
+                self._update = _BackgroundUpdate(self._apply_update)
+            else:
+                self._apply_update()
+                self._publish_masters(Phase.FORWARD_GATHER)  # the next forward's weights
         for u in self.units:
-            u.grad_row().zero_()
+            u.grad_row().zero_()  # the optimizer holds its own fp32 copies
 
     def _note_overflow(self, overflow: bool) -> None:
         """fp16: an overflow is the normal signal to lower the loss scale, not an error."""
@@ -387,13 +424,34 @@ class ZeroEngine:
         """The current fp16 loss scale (1.0 when not training in fp16)."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
-    def _step_optimizer_masters(self) -> None:
+    def _apply_update(self) -> None:
+        """The optimizer and scheduler step on the fp32 masters (no collective: may run on a thread)."""
         self.optimizer.step()
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _publish_masters(self, phase: Phase) -> None:
+        """Make the masters the weights: recast the 16-bit shards, bump versions (stale hpZ slices), and in
+        stages 0-2 rebuild the resident full weights. Collective for stages 0-2."""
         for u in self.units:
             u.refresh_shard_from_master()
+        if not self.plan.shards_weights:
+            self._gather_resident(phase)
+
+    def join_update(self) -> None:
+        """Wait for a delayed update still running and publish it; a no-op when none is pending.
+
+        Collective (every rank calls it at the same points): weight loads, state-dict and checkpoint calls
+        and the next optimizer step call it first.
+        """
+        if self._update is None:
+            return
+        update, self._update = self._update, None
+        update.wait()
+        self._publish_masters(Phase.FORWARD_GATHER)
 
     def _report_non_finite(self) -> None:
         bad = [
@@ -425,6 +483,7 @@ class ZeroEngine:
     # ---- weights in and out ------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict (``model.state_dict()``'s keys) on every rank, gathered from the masters."""
+        self.join_update()
         full: dict[int, torch.Tensor] = {}
         world = self.topo.world
         for u in self.units:
@@ -446,6 +505,7 @@ class ZeroEngine:
 
         Every entry is checked before anything is written, so a bad state dict leaves the engine unchanged.
         """
+        self.join_update()
         names = {id(t): n for n, t in self.module.state_dict(keep_vars=True).items()}
         sources = {}
         for u in self.units:
@@ -468,15 +528,8 @@ class ZeroEngine:
         self.masters_changed()
 
     def masters_changed(self) -> None:
-        """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load).
-
-        Recasts the 16-bit shards and bumps every unit's version (hpZ slices become stale), and in stages
-        0-2 rebuilds the resident full weights from the new shards.
-        """
-        for u in self.units:
-            u.refresh_shard_from_master()
-        if not self.plan.shards_weights:
-            self._gather_resident(Phase.OTHER)
+        """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""
+        self._publish_masters(Phase.OTHER)
 
     # ---- reports -----------------------------------------------------------------------------------------
     def comm_report(self) -> dict[str, dict[str, int]]:
@@ -530,6 +583,7 @@ class ZeroEngine:
         """
         from zeropp.checkpoint import save_checkpoint
         self._check_checkpointable()
+        self.join_update()
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
@@ -540,6 +594,7 @@ class ZeroEngine:
         """
         from zeropp.checkpoint import load_checkpoint
         self._check_checkpointable()
+        self.join_update()
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                load_module_only)
 
