@@ -35,7 +35,7 @@ class AllGather:
 
     def start(self, unit: Unit, phase: Phase) -> GatheredRows:
         row = unit.shard_row()
-        out = torch.empty(self.group.size, unit.row.numel, dtype=row.dtype)
+        out = torch.empty(self.group.size, unit.row.numel, dtype=row.dtype, device=row.device)
         handle = self.comm.all_gather(out, row, self.group, phase, async_op=True)
         return GatheredRows(out, unit.row, [handle])
 

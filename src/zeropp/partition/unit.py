@@ -58,12 +58,14 @@ class Unit:
         compute_dtype: torch.dtype,
         keep_shard: bool = True,
         alias_fp32_shard: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         """Cut each parameter's chunk ``rank`` of ``world`` into the master row and free the full weights.
 
         ``keep_shard=False`` (stages 0-2, whose full weights stay resident) keeps no 16-bit shard between
         steps: it is derived from the master when the weights are gathered after an optimizer step. In fp32
         the kept shard is the master itself unless ``alias_fp32_shard`` is False (delayed updates).
+        Every row lives on ``device`` (default: the first parameter's device; the host for meta ones).
         """
         self.index = index
         self.module_name = module_name
@@ -74,12 +76,14 @@ class Unit:
         self.version = 0
         self.slots: list[ParamSlot] = []
         self.row = RowLayout(tuple(ShardSpec(p.numel(), p.shape, world).chunk for _, p in named_params))
-        self.master = torch.zeros(self.row.numel, dtype=torch.float32)
+        first = named_params[0][1].device if named_params else torch.device("cpu")
+        self.device = device or (torch.device("cpu") if first.type == "meta" else first)
+        self.master = torch.zeros(self.row.numel, dtype=torch.float32, device=self.device)
         for (name, p), off, c in zip(named_params, self.row.offsets, self.row.chunks):
             spec = ShardSpec(p.numel(), p.shape, world)
             with torch.no_grad():
                 self.master[off : off + c].copy_(take_chunk(p.detach(), spec, rank, world))
-            full = torch.zeros(spec.padded, dtype=compute_dtype)
+            full = torch.zeros(spec.padded, dtype=compute_dtype, device=self.device)
             p.data = full[: spec.numel].view(spec.shape)
             self.slots.append(ParamSlot(name, p, spec, full))
         self._shard: Optional[torch.Tensor] = None
@@ -114,7 +118,7 @@ class Unit:
     def grad_row(self) -> torch.Tensor:
         """The reduced gradient row (compute dtype), allocated as zeros on first use."""
         if self.grad is None:
-            self.grad = torch.zeros(self.row.numel, dtype=self.compute_dtype)
+            self.grad = torch.zeros(self.row.numel, dtype=self.compute_dtype, device=self.device)
             self._grad_views = self._split(self.grad)
         return self.grad
 

@@ -54,7 +54,7 @@ class HpzGather:
         if not self.store.is_current(unit):
             return self.primary.start(unit, phase)
         row = self.store.rows[unit.index]
-        out = torch.empty(self.group.size, row.numel(), dtype=row.dtype)
+        out = torch.empty(self.group.size, row.numel(), dtype=row.dtype, device=row.device)
         handle = self.comm.all_gather(out, row, self.group, phase, async_op=True)
         return GatheredRows(out, unit.group_layout(self.group.size), [handle])
 

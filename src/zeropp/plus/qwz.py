@@ -68,7 +68,7 @@ class QuantizedGather:
     def start(self, unit: Unit, phase: Phase) -> _PendingQuantized:
         layout = self.layout(unit)
         wire = pack(quantize_poisoning(unit.shard_row().view(1, -1), layout, self.bits))[0]
-        out = torch.empty(self.group.size, wire.numel(), dtype=torch.uint8)
+        out = torch.empty(self.group.size, wire.numel(), dtype=torch.uint8, device=wire.device)
         handle = self.comm.all_gather(out, wire, self.group, phase, async_op=True)
         return _PendingQuantized(out, handle, layout, unit.row, self.bits, unit.compute_dtype, unit.segment_names())
 

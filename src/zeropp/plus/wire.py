@@ -40,8 +40,9 @@ def quantize_poisoning(x: torch.Tensor, layout: BlockLayout, bits: int) -> Quant
     finite = torch.isfinite(rows)
     q = quantize(torch.where(finite, rows, torch.zeros((), dtype=rows.dtype)), layout, bits)
     starts = layout.block_starts()
-    block_of = torch.repeat_interleave(torch.arange(layout.num_blocks), starts[1:] - starts[:-1])
-    bad = torch.zeros(rows.shape[0], layout.num_blocks).index_add_(1, block_of, (~finite).float()) > 0
+    block_of = torch.repeat_interleave(torch.arange(layout.num_blocks), starts[1:] - starts[:-1]).to(rows.device)
+    bad = torch.zeros(rows.shape[0], layout.num_blocks, device=rows.device).index_add_(
+        1, block_of, (~finite).float()) > 0
     scales = q.scales.clone()
     scales[bad] = float("nan")
     return QuantizedRows(q.data, scales)

@@ -338,7 +338,8 @@ class ZeroEngine:
                 p = slot.param
                 if not p.requires_grad:
                     continue
-                grad = p.grad if p.grad is not None else torch.zeros(p.shape, dtype=self.policy.compute_dtype)
+                grad = p.grad if p.grad is not None else torch.zeros(p.shape, dtype=self.policy.compute_dtype,
+                                                                     device=unit.device)
                 p.grad = None
                 self.buckets.add(unit, index, grad)
         self.buckets.finish()
@@ -381,7 +382,7 @@ class ZeroEngine:
         if scale != 1.0:
             for g in grads:
                 g.mul_(1.0 / scale)
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.units[0].device if self.units else None)
         for g in grads:  # squared norms summed in fp64, without an fp64 copy of the gradients
             sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
         if self.shard_world > 1:  # stage 0 holds whole gradients, identical on every rank
@@ -487,7 +488,7 @@ class ZeroEngine:
         full: dict[int, torch.Tensor] = {}
         world = self.topo.world
         for u in self.units:
-            rows = torch.empty(world.size, u.row.numel, dtype=torch.float32)
+            rows = torch.empty(world.size, u.row.numel, dtype=torch.float32, device=u.device)
             self.comm.all_gather(rows, u.master, world, Phase.OTHER)
             for slot, off, c in zip(u.slots, u.row.offsets, u.row.chunks):
                 flat = rows[:, off : off + c].reshape(-1)[: slot.spec.numel]
