@@ -143,6 +143,7 @@ def initialize(
     ledger = CommLedger()
     comm = Comm(topo, ledger)
     compute_dtype, scaler = _precision(cfg)
+    offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
     policy = TrainPolicy(
         compute_dtype=compute_dtype,
         gradient_accumulation_steps=batch.gradient_accumulation_steps,
@@ -151,6 +152,7 @@ def initialize(
         stage=zero.stage,
         loss_scaler=scaler,
         delayed_update_after=_delayed_update_after(zero),
+        offload_optimizer=offload,
     )
     trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
     named = dict(model.named_parameters())  # masters are named after the parameter they shard
@@ -161,7 +163,8 @@ def initialize(
         tensors = [t for _, t in masters]
         if callable(optimizer):
             return optimizer(tensors)
-        return build_optimizer(cfg.optimizer, tensors)
+        return build_optimizer(cfg.optimizer, tensors, host_adam=offload,
+                               threads=1 if policy.delayed_update_after is not None else None)
 
     engine = ZeroEngine(
         model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,

@@ -207,8 +207,8 @@ class Unsupported:
 NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", lambda v: v is True,
                 "fp16 master weights (zeropp keeps fp32 masters); accepted: false"),
-    Unsupported("zero_optimization.offload_optimizer.device", lambda v: v != "none",
-                "optimizer offload; accepted: \"none\""),
+    Unsupported("zero_optimization.offload_optimizer.device", lambda v: v == "nvme",
+                "optimizer state on NVMe; accepted: \"none\", \"cpu\""),
     Unsupported("zero_optimization.offload_param.device", lambda v: v != "none",
                 "parameter offload; accepted: \"none\""),
     Unsupported("zero_optimization.reduce_scatter", lambda v: v is False,

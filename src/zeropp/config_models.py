@@ -131,9 +131,11 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
 class OffloadOptimizerConfig(Section):
-    """`zero_optimization.offload_optimizer`: move optimizer state/step to CPU or NVMe (not supported yet)."""
+    """`zero_optimization.offload_optimizer`: ZeRO-Offload (optimizer on the host) and its delayed update."""
 
-    device: OffloadDevice = F("none", doc="Where optimizer state lives; only \"none\" is supported yet.",
+    device: OffloadDevice = F("none", doc="Where fp32 masters, optimizer state and the step live: \"cpu\" "
+                              "runs Adam/AdamW as zeropp's CpuAdam on host-resident masters (on this CPU build "
+                              "host and device are the same memory); \"nvme\" is not supported yet.",
                               status=STATUS_PARTIAL)
     nvme_path: str | None = F(None, doc="NVMe directory for device \"nvme\" (inert).", status=STATUS_INERT)
     pin_memory: bool = F(False, doc="Use page-locked CPU buffers (inert).", status=STATUS_INERT)

@@ -57,26 +57,39 @@ def default_optimizer_config() -> AdamOptimizerConfig:
     return AdamOptimizerConfig(type="AdamW", params=AdamParams())
 
 
-def build_optimizer(cfg: OptimizerConfig | None, params: Params) -> torch.optim.Optimizer:
+def build_optimizer(cfg: OptimizerConfig | None, params: Params, host_adam: bool = False,
+                    threads: int | None = None) -> torch.optim.Optimizer:
     """A torch optimizer over `params` (tensors or param-group dicts) as `cfg` describes.
 
+    ``host_adam`` (optimizer offload): Adam/AdamW run as zeropp's `CpuAdam`, bit-identical to torch's and
+    one pass over memory; ``threads`` caps its kernel threads (a delayed update leaves cores to compute).
     Raises `NotSupportedError` for a DeepSpeed-only optimizer type (e.g. Lamb) or `bias_correction: false`.
     """
     cfg = cfg if cfg is not None else default_optimizer_config()
     if isinstance(cfg, AdamOptimizerConfig):
-        return _build_adam(cfg, params)
+        return _build_adam(cfg, params, host_adam, threads)
     if isinstance(cfg, SGDOptimizerConfig):
         kwargs = cfg.params.model_dump(exclude_none=True)
         return torch.optim.SGD(params, **kwargs)
     raise NotSupportedError(f"optimizer.type: not supported yet: {cfg.type!r}; accepted: Adam, AdamW, SGD")
 
 
-def _build_adam(cfg: AdamOptimizerConfig, params: Params) -> torch.optim.Optimizer:
-    """torch AdamW unless type is Adam with adam_w_mode false (DeepSpeed's rule)."""
+def _build_adam(cfg: AdamOptimizerConfig, params: Params, host_adam: bool = False,
+                threads: int | None = None) -> torch.optim.Optimizer:
+    """torch AdamW unless type is Adam with adam_w_mode false (DeepSpeed's rule); `CpuAdam` for offload."""
     if not cfg.params.bias_correction:
         raise NotSupportedError("optimizer.params.bias_correction: not supported yet: false; accepted: true")
     kwargs = cfg.params.model_dump(exclude=_DEEPSPEED_ONLY_KEYS, exclude_none=True)
     decoupled = cfg.type == "AdamW" or cfg.params.adam_w_mode
+    if host_adam:
+        from zeropp.offload.cpu_adam import CpuAdam  # builds its kernel on first use only
+
+        for key in ("amsgrad", "maximize"):
+            if kwargs.pop(key, False):
+                raise NotSupportedError(f"optimizer.params.{key}: not supported yet with offload_optimizer; "
+                                        "accepted: false")
+        kwargs.pop("foreach", None), kwargs.pop("fused", None)  # torch implementation switches: ours is one
+        return CpuAdam(params, adamw=decoupled, threads=threads, **kwargs)
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **kwargs)
 
 

@@ -263,7 +263,7 @@ def test_bf16_and_fp16_together_is_a_plain_config_error() -> None:
 @pytest.mark.parametrize("raw, path", [
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, **stage3()},
      "fp16.fp16_master_weights_and_grads"),
-    (stage3(offload_optimizer={"device": "cpu"}), "zero_optimization.offload_optimizer.device"),
+    (stage3(offload_optimizer={"device": "nvme", "nvme_path": "/x"}), "zero_optimization.offload_optimizer.device"),
     (stage3(offload_param={"device": "nvme", "nvme_path": "/x"}), "zero_optimization.offload_param.device"),
     (stage3(reduce_scatter=False), "zero_optimization.reduce_scatter"),
     (stage3(stage3_gather_16bit_weights_on_model_save=True),

@@ -56,7 +56,7 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     staging copy. (On CUDA hosts pinned memory from ``torch.empty(..., pin_memory=True)`` is page-aligned
     too.)"""
     nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
-    mm = mmap.mmap(-1, _round_up(nbytes))
+    mm = mmap.mmap(-1, _round_up(nbytes), flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(mm, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
 
 
@@ -139,7 +139,7 @@ class AioPool:
         self._finalizer = weakref.finalize(self, _remove_file, self._fd_box, self.path)
         self._preallocate()
         # Staging buffers: one anonymous mapping, page-aligned, cut into buffer_count slices.
-        self._mm = mmap.mmap(-1, self.buffer_size * buffer_count)
+        self._mm = mmap.mmap(-1, self.buffer_size * buffer_count, flags=mmap.MAP_PRIVATE)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._buf_addr = [base + i * self.buffer_size for i in range(buffer_count)]
         self._buffers: queue.SimpleQueue[int] = queue.SimpleQueue()

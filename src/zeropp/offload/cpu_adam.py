@@ -4,8 +4,9 @@
 Why a C kernel: torch's single-tensor AdamW makes ~8 full passes over memory per parameter (mul, lerp, mul,
 addcmul, sqrt, div, add, addcdiv, plus a temporary for the denominator), and the step is memory-bound on the
 host, which is what ZeRO-Offload's "CPU Adam up to 6x faster than PyTorch's" is about. The kernel reads p, g,
-m, v once and writes p, m, v once (plus the 16-bit copy of p when asked: ZeRO-Offload's fused copy-back),
-working through each tensor in chunks that stay in L1.
+m, v once and writes p, m, v once (plus the 16-bit copy of p when asked: ZeRO-Offload's fused copy-back):
+28 bytes of memory traffic per parameter, with no temporaries. Work is split into contiguous parts taken from
+a shared counter by ``torch.get_num_threads()`` threads (torch's own OpenMP pool when torch uses libgomp).
 
 Note [bit-exact with torch]: the kernel performs torch's own per-element operations in torch's order, with the
 same roundings (measured on torch 2.13.0 CPU, AVX-512 build; ``_single_tensor_adam`` in torch/optim/adam.py):
@@ -16,18 +17,22 @@ same roundings (measured on torch 2.13.0 CPU, AVX-512 build; ``_single_tensor_ad
   ``fma(w - 1, g - m, g)`` (ATen's ``lerp_vec``; its scalar tail is contracted the same way);
 * ``v = fma(f32(1 - beta2) * g, g, v * f32(beta2))`` (``mul_`` then ``addcmul_``, whose
   ``self + value * t1 * t2`` the compiler contracted into an FMA in both the vector and the scalar path);
-* ``d = sqrt(v) / f32(sqrt(1 - beta2**step)) + f32(eps)``, where ``sqrt`` is whatever ``torch.sqrt`` uses:
+* ``d = sqrt(v) / f32(sqrt(1 - beta2**step)) + f32(eps)``, where ``sqrt`` is whatever ``torch.sqrt`` does:
   on MKL builds that is MKL VML's ``vmsSqrt`` (mode ``VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE``), which
-  is *not* correctly rounded (1 ulp; ~20% of results differ from IEEE ``sqrtf``), so the kernel calls the
-  same exported ``vmsSqrt_64`` from libtorch_cpu on each L1-sized chunk; elsewhere IEEE ``sqrtf``;
+  is *not* correctly rounded (up to 0.75 ulp; ~20% of results differ from IEEE ``sqrtf``). On this machine
+  (AMD EPYC with AVX-512) MKL runs its SSE kernel ``mkl_vml_kernel_sSqrt_EXHAynn``; the kernel re-implements
+  that algorithm inline (``sqrt_mkl_sse``: rsqrtps + one Goldschmidt step, no FMAs), verified equal to
+  ``vmsSqrt`` on all 2^32 inputs here ("mkl-sse"). Where MKL takes another code path, the kernel calls the
+  exported ``vmsSqrt_64`` from libtorch_cpu on L1-sized chunks instead ("mkl-call", exact, slower);
+  without MKL, IEEE ``sqrt`` ("ieee");
 * ``p = p + (f32(-lr / (1 - beta1**step)) * m) / d`` (``addcdiv_``: ``self + value * t1 / t2``).
 
 Bias corrections and step sizes are computed in Python doubles exactly as torch computes them, then rounded to
 fp32 as ATen rounds a Python scalar. The library is built with ``-ffp-contract=off`` so that the only FMAs
-are the explicit ones. Which ``sqrt`` matches, and whether the whole step matches, is decided by a self-test
-against ``torch.optim.AdamW``/``Adam`` when the kernel loads (``kernel_info()`` reports it); a kernel that
-cannot be made bit-exact is still used when it agrees within 2 ulp (``exact=False``), and otherwise
-disabled.
+are the explicit ones. Which ``sqrt`` mode reproduces ``torch.sqrt`` is decided when the kernel loads, on 1M
+random bit patterns over every exponent plus the special values; then a whole-step self-test against
+``torch.optim.AdamW``/``Adam`` decides ``exact`` (``kernel_info()`` reports both). A kernel that cannot be
+made bit-exact is still used when it agrees within 2 ulp (``exact=False``), and otherwise disabled.
 
 Fallback: no C compiler, ``ZEROPP_CPU_ADAM_FAST=0``, or a parameter the kernel does not take (not CPU fp32
 contiguous, grad of another dtype) -> torch's own functional ``adam(..., foreach=False)`` for that
@@ -37,7 +42,6 @@ parameter, which is the reference, so results do not depend on which path ran.
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import threading
 import warnings
@@ -59,11 +63,25 @@ _C_SOURCE = r"""
 #endif
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define ZA_VEC 1
+#else
+#define ZA_VEC 0
+#endif
+#if ZA_VEC && defined(__AVX512F__)
+#define ZA_VEC512 1 /* 16 lanes: fewer instructions per element than 8 (same per-lane operations) */
+#else
+#define ZA_VEC512 0
+#endif
 
+/* sqrt modes: IEEE sqrt; MKL_SSE: MKL VML's SSE HA vsSqrt algorithm, re-implemented (see emu8); MKL_CALL:
+   call MKL's exported vmsSqrt_64 on L1-sized chunks (exact for any MKL code path, but a second pass). */
+enum { SQ_IEEE = 0, SQ_MKL_SSE = 1, SQ_MKL_CALL = 2, SQ_FAST = 3 /* not torch's sequence: see stepw */ };
 /* MKL VML: void vmsSqrt_64(MKL_INT64 n, const float* a, float* r, MKL_INT64 mode). */
 typedef void (*sqrt_fn_t)(int64_t, const float*, float*, int64_t);
-#define VML_MODE ((int64_t)(0x2 | 0x140000 | 0x100)) /* VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE */
-#define CH 2048      /* elements per chunk: 5 fp32 streams of 8 KiB stay in L1/L2 between the passes */
+#define VML_MODE ((int64_t)(0x2 | 0x140000 | 0x100)) /* VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: torch's */
+#define CH 2048
 #define PART_ALIGN 64
 #define MAXT 64
 #define PARTS_PER_THREAD 8
@@ -90,15 +108,157 @@ static inline uint16_t f2h(float f) {
 typedef struct {
     int64_t nt;
     float* const* p; const float* const* g; float* const* m; float* const* v; void* const* o16;
-    const int64_t* offs;               /* nt + 1 prefix sums of the element counts */
+    const int64_t* offs;                       /* nt + 1 prefix sums of the element counts */
     const float* neg_step; const float* bc2s;  /* per tensor: f32(-lr/bc1), f32(sqrt(bc2)) */
     float decay, l2wd, w, beta2, omb2, eps;
-    int l2, out_dt;                    /* out_dt: 0 none, 1 bf16, 2 fp16 */
+    int l2, out_dt, sqrt_mode;                 /* out_dt: 0 none, 1 bf16, 2 fp16 */
     sqrt_fn_t sq;
     int64_t nparts, next;
 } job_t;
 
-/* First moment and second moment of n elements; the lerp branch and the L2 term are loop-invariant. */
+#if ZA_VEC
+/* MKL VML's SSE "HA" single-precision sqrt (mkl_vml_kernel_sSqrt_EXHAynn, the path MKL takes for torch.sqrt on
+   AVX-512 AMD CPUs), step for step: y = rsqrtps(x); s = x*y; h = 0.5*y; e = 0.5 - s*h; s1 = s*e + s;
+   h1 = e*h + h; d = x - s1*s1; r = d*h1 + s1 (no FMAs). Zero, subnormal, huge (> 0x7f7ff000), inf, nan and
+   negative inputs take MKL's scalar "rare" path, which returns the IEEE result. Verified against vmsSqrt on
+   all 2^32 inputs on the machine it was written on; the library's self-test re-checks it against torch.sqrt
+   on every load and picks another mode when it disagrees. */
+static inline __m256 sqrt_mkl_sse(__m256 x) {
+    const __m256 half = _mm256_set1_ps(0.5f);
+    __m256i t = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(0x7f800000));
+    __m256i rare = _mm256_cmpgt_epi32(t, _mm256_set1_epi32((int)0xfefff000));
+    __m256 y = _mm256_rsqrt_ps(x);
+    __m256 s = _mm256_mul_ps(x, y);
+    __m256 h = _mm256_mul_ps(y, half);
+    __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
+    __m256 s1 = _mm256_add_ps(_mm256_mul_ps(s, e), s);
+    __m256 h1 = _mm256_add_ps(_mm256_mul_ps(e, h), h);
+    __m256 d = _mm256_sub_ps(x, _mm256_mul_ps(s1, s1));
+    __m256 r = _mm256_add_ps(_mm256_mul_ps(d, h1), s1);
+    if (!_mm256_movemask_ps(_mm256_castsi256_ps(rare))) return r; /* the common case: no rare lane */
+    return _mm256_blendv_ps(r, _mm256_sqrt_ps(x), _mm256_castsi256_ps(rare));
+}
+
+static inline __m128i bf16x8(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                       _mm256_set1_epi32(0x7F800000));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), isnan);
+    r = _mm256_packus_epi32(r, r);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(r, 0x08));
+}
+
+#if ZA_VEC512
+#define W 16
+typedef __m512 vf;
+#define V(op) _mm512_##op
+/* sqrt_mkl_sse on 16 lanes: rsqrtps has no 512-bit form with the same table, so only it runs on two halves. */
+static inline vf sqrt_mkl_sse_v(vf x) {
+    const vf half = _mm512_set1_ps(0.5f);
+    __mmask16 rare = _mm512_cmpgt_epi32_mask(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7f800000)),
+                                             _mm512_set1_epi32((int)0xfefff000));
+    __m256 ylo = _mm256_rsqrt_ps(_mm512_castps512_ps256(x)), yhi = _mm256_rsqrt_ps(_mm512_extractf32x8_ps(x, 1));
+    vf y = _mm512_insertf32x8(_mm512_castps256_ps512(ylo), yhi, 1);
+    vf s = _mm512_mul_ps(x, y);
+    vf h = _mm512_mul_ps(y, half);
+    vf e = _mm512_sub_ps(half, _mm512_mul_ps(s, h));
+    vf s1 = _mm512_add_ps(_mm512_mul_ps(s, e), s);
+    vf h1 = _mm512_add_ps(_mm512_mul_ps(e, h), h);
+    vf d = _mm512_sub_ps(x, _mm512_mul_ps(s1, s1));
+    vf r = _mm512_add_ps(_mm512_mul_ps(d, h1), s1);
+    return rare ? _mm512_mask_sqrt_ps(r, rare, x) : r;
+}
+static inline void store16(uint16_t* o, vf x, int out) {
+    if (out == 1) {
+        __m512i u = _mm512_castps_si512(x);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+        r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+        _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(r));
+    } else if (out == 2) {
+        _mm256_storeu_si256((__m256i*)o, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+}
+#else
+#define W 8
+typedef __m256 vf;
+#define V(op) _mm256_##op
+static inline vf sqrt_mkl_sse_v(vf x) { return sqrt_mkl_sse(x); }
+static inline void store16(uint16_t* o, vf x, int out) {
+    if (out == 1) _mm_storeu_si128((__m128i*)o, bf16x8(x));
+    else if (out == 2) _mm_storeu_si128((__m128i*)o, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+
+typedef struct { vf decay, l2wd, w, wm1, b2, omb2, eps, ns, bc2s; } vconst_t;
+
+/* W elements: torch's per-element operations in torch's order (Note [bit-exact with torch]). The int
+   arguments are literal constants at every call site, so each specialization is branch-free. */
+static inline __attribute__((always_inline)) void stepw(const vconst_t* c, float* p, const float* g, float* m,
+                                                        float* v, uint16_t* o, int sq, int out, int l2, int small) {
+    vf pp = V(loadu_ps)(p), gg = V(loadu_ps)(g), mm = V(loadu_ps)(m), vv = V(loadu_ps)(v);
+    pp = V(mul_ps)(pp, c->decay);
+    if (l2) gg = V(fmadd_ps)(pp, c->l2wd, gg);
+    vf d = V(sub_ps)(gg, mm);
+    mm = small ? V(fmadd_ps)(c->w, d, mm) : V(fmadd_ps)(c->wm1, d, gg);
+    vv = V(fmadd_ps)(V(mul_ps)(c->omb2, gg), gg, V(mul_ps)(vv, c->b2));
+    if (sq == SQ_FAST) { /* exact=False: DeepSpeed's shorter sequence, bc2s holds 1/sqrt(bc2) (~1.4x less work) */
+        vf den = V(fmadd_ps)(V(sqrt_ps)(vv), c->bc2s, c->eps);
+        pp = V(fmadd_ps)(c->ns, V(div_ps)(mm, den), pp);
+    } else {
+        vf s = sq == SQ_MKL_SSE ? sqrt_mkl_sse_v(vv) : V(sqrt_ps)(vv);
+        vf den = V(add_ps)(V(div_ps)(s, c->bc2s), c->eps);
+        pp = V(add_ps)(pp, V(div_ps)(V(mul_ps)(c->ns, mm), den));
+    }
+    V(storeu_ps)(p, pp);
+    V(storeu_ps)(m, mm);
+    V(storeu_ps)(v, vv);
+    store16(o, pp, out);
+}
+
+#define LOOP(SQ, OUT, L2, SMALL)                                                                      \
+    for (; i + 2 * W <= n; i += 2 * W) { /* unrolled: two independent dependency chains (+5%) */     \
+        stepw(&c, p + i, g + i, m + i, v + i, o + i, SQ, OUT, L2, SMALL);                             \
+        stepw(&c, p + i + W, g + i + W, m + i + W, v + i + W, o + i + W, SQ, OUT, L2, SMALL);         \
+    }                                                                                                 \
+    for (; i + W <= n; i += W) stepw(&c, p + i, g + i, m + i, v + i, o + i, SQ, OUT, L2, SMALL);      \
+    if (i < n) { /* the tail goes through the same W-lane code, padded */                             \
+        int64_t r = n - i;                                                                            \
+        float tp[W] = {0}, tg[W] = {0}, tm[W] = {0}, tv[W] = {0};                                     \
+        uint16_t to[W];                                                                               \
+        memcpy(tp, p + i, r * 4); memcpy(tg, g + i, r * 4); memcpy(tm, m + i, r * 4);                 \
+        memcpy(tv, v + i, r * 4);                                                                     \
+        stepw(&c, tp, tg, tm, tv, to, SQ, OUT, L2, SMALL);                                            \
+        memcpy(p + i, tp, r * 4); memcpy(m + i, tm, r * 4); memcpy(v + i, tv, r * 4);                 \
+        if (OUT) memcpy(o + i, to, r * 2);                                                            \
+    }                                                                                                 \
+    return;
+#define CASES_SMALL(SQ, OUT, L2) if (small) { LOOP(SQ, OUT, L2, 1) } else { LOOP(SQ, OUT, L2, 0) }
+#define CASES_L2(SQ, OUT) if (j->l2) { CASES_SMALL(SQ, OUT, 1) } else { CASES_SMALL(SQ, OUT, 0) }
+#define CASES_OUT(SQ)                                                                                 \
+    if (j->out_dt == 1) { CASES_L2(SQ, 1) } else if (j->out_dt == 2) { CASES_L2(SQ, 2) } else { CASES_L2(SQ, 0) }
+
+/* One pass over [off, off + n) of tensor t. */
+static void range_vec(const job_t* j, int64_t t, int64_t off, int64_t n) {
+    float* p = j->p[t] + off; const float* g = j->g[t] + off; float* m = j->m[t] + off; float* v = j->v[t] + off;
+    uint16_t* o = j->out_dt ? (uint16_t*)j->o16[t] + off : NULL;
+    const vconst_t c = {V(set1_ps)(j->decay), V(set1_ps)(j->l2wd), V(set1_ps)(j->w), V(set1_ps)(j->w - 1.0f),
+                        V(set1_ps)(j->beta2), V(set1_ps)(j->omb2), V(set1_ps)(j->eps),
+                        V(set1_ps)(j->neg_step[t]), V(set1_ps)(j->bc2s[t])};
+    const int small = fabsf(j->w) < 0.5f;
+    int64_t i = 0;
+    if (j->sqrt_mode == SQ_FAST) { CASES_OUT(SQ_FAST) }
+    if (j->sqrt_mode == SQ_MKL_SSE) { CASES_OUT(SQ_MKL_SSE) } else { CASES_OUT(SQ_IEEE) }
+}
+#endif
+
+/* Portable path: the same operations on scalars, chunked so that MKL's sqrt can be called on a chunk
+   between the moment pass and the update pass (SQ_MKL_CALL), or IEEE sqrtf. */
 #define MOMENTS(GEXPR, MEXPR)                                                                        \
     for (int64_t i = 0; i < n; i++) {                                                                \
         float gg = GEXPR, mm = m[i], d = gg - mm;                                                    \
@@ -106,7 +266,6 @@ typedef struct {
         float vv = v[i] * b2;                                                                        \
         v[i] = fmaf(omb2 * gg, gg, vv);                                                              \
     }
-
 #define UPDATE(STORE16)                                                                              \
     for (int64_t i = 0; i < n; i++) {                                                                \
         float den = s[i] / bc2s + eps;                                                               \
@@ -116,7 +275,7 @@ typedef struct {
         STORE16;                                                                                     \
     }
 
-static void chunk(const job_t* j, int64_t t, int64_t off, int64_t n) {
+static void chunk_scalar(const job_t* j, int64_t t, int64_t off, int64_t n) {
     float* restrict p = j->p[t] + off;
     const float* restrict g = j->g[t] + off;
     float* restrict m = j->m[t] + off;
@@ -125,6 +284,7 @@ static void chunk(const job_t* j, int64_t t, int64_t off, int64_t n) {
     const float decay = j->decay, l2wd = j->l2wd, w = j->w, wm1 = w - 1.0f, b2 = j->beta2, omb2 = j->omb2;
     const float eps = j->eps, ns = j->neg_step[t], bc2s = j->bc2s[t];
     const int small = fabsf(w) < 0.5f;
+    /* In L2 mode decay is 1, so reading p here (before its update) is torch's order. */
     if (j->l2) {
         if (small) { MOMENTS(fmaf(p[i], l2wd, g[i]), fmaf(w, d, mm)) }
         else { MOMENTS(fmaf(p[i], l2wd, g[i]), fmaf(wm1, d, gg)) }
@@ -132,7 +292,7 @@ static void chunk(const job_t* j, int64_t t, int64_t off, int64_t n) {
         if (small) { MOMENTS(g[i], fmaf(w, d, mm)) }
         else { MOMENTS(g[i], fmaf(wm1, d, gg)) }
     }
-    if (j->sq) j->sq(n, v, s, VML_MODE);
+    if (j->sqrt_mode == SQ_MKL_CALL && j->sq) j->sq(n, v, s, VML_MODE);
     else for (int64_t i = 0; i < n; i++) s[i] = sqrtf(v[i]);
     if (j->out_dt == 1) {
         uint16_t* restrict o = (uint16_t*)j->o16[t] + off;
@@ -145,13 +305,19 @@ static void chunk(const job_t* j, int64_t t, int64_t off, int64_t n) {
     }
 }
 
-/* Global element range of part k of n, cut at multiples of PART_ALIGN. */
+static void range_any(const job_t* j, int64_t t, int64_t s, int64_t e) {
+#if ZA_VEC
+    if (j->sqrt_mode != SQ_MKL_CALL) { range_vec(j, t, s, e - s); return; }
+#endif
+    for (int64_t off = s; off < e; off += CH) chunk_scalar(j, t, off, e - off < CH ? e - off : CH);
+}
+
+/* Global element range of part k: cut at multiples of PART_ALIGN. */
 static int64_t part_start(const job_t* j, int64_t k) {
     int64_t total = j->offs[j->nt];
     if (k >= j->nparts) return total;
     int64_t v = (int64_t)((double)total * (double)k / (double)j->nparts);
-    v -= v % PART_ALIGN;
-    return v;
+    return v - v % PART_ALIGN;
 }
 
 static void run_part(const job_t* j, int64_t k) {
@@ -165,10 +331,11 @@ static void run_part(const job_t* j, int64_t k) {
     for (int64_t t = lo; t < j->nt && j->offs[t] < b; t++) {
         int64_t s = a > j->offs[t] ? a - j->offs[t] : 0;
         int64_t e = (b < j->offs[t + 1] ? b : j->offs[t + 1]) - j->offs[t];
-        for (int64_t off = s; off < e; off += CH) chunk(j, t, off, e - off < CH ? e - off : CH);
+        if (e > s) range_any(j, t, s, e);
     }
 }
 
+/* Parts are taken from a shared counter (load balance when a core is busy elsewhere). */
 static void* worker(void* arg) {
     job_t* j = (job_t*)arg;
     for (;;) {
@@ -179,14 +346,37 @@ static void* worker(void* arg) {
     return NULL;
 }
 
-int za_abi(void) { return 1; }
+int za_abi(void) { return 2; }
+int za_has_vec(void) { return ZA_VEC; }
+
+/* sqrt of n floats as mode `mode` computes it (for the self-test against torch.sqrt). */
+void za_sqrt(int mode, void* fn, const float* x, float* out, int64_t n) {
+#if ZA_VEC
+    if (mode != SQ_MKL_CALL) { /* the same W-lane code the step runs */
+        for (int64_t i = 0; i < n; i += W) {
+            float t[W] = {0};
+            int64_t r = n - i < W ? n - i : W;
+            memcpy(t, x + i, r * 4);
+            vf a = V(loadu_ps)(t);
+            V(storeu_ps)(t, mode == SQ_MKL_SSE ? sqrt_mkl_sse_v(a) : V(sqrt_ps)(a));
+            memcpy(out + i, t, r * 4);
+        }
+        return;
+    }
+#endif
+    if (mode == SQ_MKL_CALL && fn) {
+        for (int64_t i = 0; i < n; i += CH) ((sqrt_fn_t)fn)(n - i < CH ? n - i : CH, x + i, out + i, VML_MODE);
+    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = sqrtf(x[i]);
+    }
+}
 
 void za_step(int64_t nt, float* const* p, const float* const* g, float* const* m, float* const* v,
              void* const* o16, const int64_t* offs, const float* neg_step, const float* bc2s,
              float decay, float l2wd, float w, float beta2, float omb2, float eps, int l2, int out_dt,
-             void* sqrt_fn, int nthreads) {
+             int sqrt_mode, void* sqrt_fn, int nthreads) {
     job_t j = {nt, p, g, m, v, o16, offs, neg_step, bc2s, decay, l2wd, w, beta2, omb2, eps, l2, out_dt,
-               (sqrt_fn_t)sqrt_fn, 0, 0};
+               sqrt_mode, (sqrt_fn_t)sqrt_fn, 0, 0};
     if (nt <= 0 || offs[nt] == 0) return;
     if (nthreads > MAXT) nthreads = MAXT;
     if (nthreads < 1) nthreads = 1;
@@ -206,8 +396,8 @@ void za_step(int64_t nt, float* const* p, const float* const* g, float* const* m
 }
 """
 
-# No fast-math and no implicit FMA contraction: the only FMAs are the explicit fmaf() calls that mirror
-# ATen's. -fno-math-errno lets sqrtf vectorize (it changes no result).
+# No fast-math and no implicit FMA contraction: the only FMAs are the explicit fmaf() / _mm256_fmadd_ps calls
+# that mirror ATen's. -fno-math-errno lets sqrtf vectorize (it changes no result).
 _BASE_FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math",
                "-fno-math-errno", "-fno-strict-aliasing"]
 _OUT_CODE = {torch.bfloat16: 1, torch.float16: 2}
@@ -215,20 +405,31 @@ _MIN_ELEMS_PER_THREAD = 1 << 15  # below this, waking a second thread costs more
 
 
 class KernelInfo(NamedTuple):
-    """What ``CpuAdam`` runs on: ``available`` (the C kernel is in use), ``exact`` (its self-test matched
-    torch's AdamW/Adam bit for bit), ``sqrt`` ("mkl", "ieee" or "" when unavailable), ``openmp`` (threads from
-    torch's OpenMP pool rather than pthreads), ``reason`` (why it is unavailable, else "")."""
+    """What ``CpuAdam`` runs on.
+
+    ``available``: the C kernel is in use; ``exact``: its self-test matched torch's AdamW/Adam bit for bit;
+    ``sqrt``: how it computes torch's sqrt ("mkl-sse": MKL's SSE algorithm re-implemented inline, one pass;
+    "mkl-call": MKL's vmsSqrt called per chunk, two passes; "ieee"; "" when unavailable); ``vector``: the
+    AVX2/FMA one-pass loop (else the portable chunked loop); ``openmp``: threads from torch's OpenMP pool
+    (else pthreads); ``reason``: why the kernel is unavailable, else "".
+    """
 
     available: bool
     exact: bool
     sqrt: str
+    vector: bool
     openmp: bool
     reason: str
 
 
+_SQRT_MODES = {"ieee": 0, "mkl-sse": 1, "mkl-call": 2, "fast": 3}
+
+
 class _Kernel:
-    def __init__(self, lib: ctypes.CDLL, sqrt_ptr: int | None, sqrt_name: str, openmp: bool):
-        self.lib, self.sqrt_ptr, self.sqrt_name, self.openmp = lib, sqrt_ptr, sqrt_name, openmp
+    def __init__(self, lib: ctypes.CDLL, openmp: bool, sqrt_name: str, sqrt_ptr: int | None):
+        self.lib, self.openmp, self.sqrt_name, self.sqrt_ptr = lib, openmp, sqrt_name, sqrt_ptr
+        self.sqrt_mode = _SQRT_MODES[sqrt_name]
+        self.vector = bool(lib.za_has_vec())
         self.exact = False
 
 
@@ -248,20 +449,38 @@ def _mkl_sqrt_ptr() -> int | None:
 
 
 def _load() -> tuple[ctypes.CDLL, bool] | None:
-    variants = native.openmp_variants("ZEROPP_CPU_ADAM_OPENMP")
-    for extra in variants:
+    for extra in native.openmp_variants("ZEROPP_CPU_ADAM_OPENMP"):
         so = native.build_shared_library("cpu_adam", _C_SOURCE, _BASE_FLAGS, [extra])
         if so is None:
             continue
         lib = ctypes.CDLL(so)
-        if lib.za_abi() != 1:
+        if lib.za_abi() != 2:
             continue
         i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
         lib.za_step.restype = None
         lib.za_step.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, f32, f32, f32, f32,
-                                i32, i32, ptr, i32]
+                                i32, i32, i32, ptr, i32]
+        lib.za_sqrt.restype = None
+        lib.za_sqrt.argtypes = [i32, ptr, ptr, ptr, i64]
+        lib.za_has_vec.restype = i32
         return lib, "-fopenmp" in extra
     return None
+
+
+def _sqrt_sample() -> torch.Tensor:
+    """Inputs for the sqrt check: random bit patterns over every exponent, plus the special values."""
+    gen = torch.Generator().manual_seed(1)
+    bits = torch.randint(0, 0x7F800000, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
+    specials = torch.tensor([0.0, -0.0, 1e-45, 1e-40, 1.1754942e-38, 1.1754944e-38, 3.4e38, 3.4028235e38,
+                             float("inf"), 1.0, 2.0, 4.0, 0.25], dtype=torch.float32)
+    return torch.cat([bits.view(torch.float32), specials, torch.rand(4099, generator=gen) * 1e-6])
+
+
+def _sqrt_matches(lib: ctypes.CDLL, name: str, ptr: int | None, x: torch.Tensor, ref: torch.Tensor) -> bool:
+    out = torch.empty_like(x)
+    lib.za_sqrt(_SQRT_MODES[name], ptr, x.data_ptr(), out.data_ptr(), x.numel())
+    same = (out.view(torch.int32) == ref.view(torch.int32)) | (out.isnan() & ref.isnan())
+    return bool(same.all())
 
 
 def _ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -273,21 +492,24 @@ def _ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def _self_test_max_ulp() -> int:
-    """Largest ulp difference between the kernel and torch over a few small cases (0 = bit-exact)."""
+    """Largest ulp difference between the kernel (``_kernel``) and torch over a few small cases (0 = exact):
+    AdamW and Adam-with-L2, both lerp branches, sizes around the vector width and the chunk size, 3 steps,
+    gradients over 5 decades, and the fused bf16 / fp16 copies."""
     gen = torch.Generator().manual_seed(0)
-    sizes = (1, 31, 1000, 4099, 2 * 2048 + 77, 70_001)
+    sizes = (1, 7, 31, 1000, 4099, 2 * 2048 + 77, 70_001)
     worst = 0
-    cases = ((True, (0.9, 0.999), 0.01), (False, (0.3, 0.99), 0.1), (True, (0.8, 0.95), 0.0))
-    for adamw, betas, wd in cases:
+    cases = ((True, (0.9, 0.999), 0.01, torch.bfloat16), (False, (0.3, 0.99), 0.1, torch.float16),
+             (True, (0.8, 0.95), 0.0, None))
+    for adamw, betas, wd, out_dtype in cases:
         base = [torch.randn(n, generator=gen) for n in sizes]
-        grads = [[torch.randn(n, generator=gen) * 10.0 ** float(k - 2) for n in sizes] for k in range(3)]
+        grads = [[torch.randn(n, generator=gen) * 10.0 ** float(2 * k - 2) for n in sizes] for k in range(3)]
         ours = [p.clone() for p in base]
-        ref = [p.clone().requires_grad_(False) for p in base]
+        ref = [p.clone() for p in base]
         o = CpuAdam(ours, lr=1e-2, betas=betas, eps=1e-8, weight_decay=wd, adamw=adamw)
         o._force = "kernel"
         r = (torch.optim.AdamW if adamw else torch.optim.Adam)(ref, lr=1e-2, betas=betas, eps=1e-8,
                                                               weight_decay=wd, foreach=False)
-        outs = {p: torch.empty(p.shape, dtype=torch.bfloat16) for p in ours}
+        outs = {p: torch.empty(p.shape, dtype=out_dtype) for p in ours} if out_dtype else {}
         for step_grads in grads:
             for p, q, gr in zip(ours, ref, step_grads):
                 p.grad, q.grad = gr.clone(), gr.clone()
@@ -296,9 +518,31 @@ def _self_test_max_ulp() -> int:
         for p, q in zip(ours, ref):
             worst = max(worst, _ulp_diff(p, q), _ulp_diff(o.state[p]["exp_avg_sq"], r.state[q]["exp_avg_sq"]),
                         _ulp_diff(o.state[p]["exp_avg"], r.state[q]["exp_avg"]))
-            if not torch.equal(outs[p], p.to(torch.bfloat16)):
+            if outs and not torch.equal(outs[p], p.to(out_dtype)):
                 return 1 << 30
     return worst
+
+
+def _choose(lib: ctypes.CDLL, openmp: bool) -> tuple[_Kernel | None, str]:
+    """The sqrt mode that reproduces torch.sqrt (fastest first), then the whole-step self-test."""
+    global _kernel
+    mkl = _mkl_sqrt_ptr()
+    vec = bool(lib.za_has_vec())
+    names = (["ieee", "mkl-sse"] if vec else ["ieee"]) + (["mkl-call"] if mkl else [])
+    x = _sqrt_sample()
+    ref = torch.sqrt(x)
+    chosen = next((n for n in names if _sqrt_matches(lib, n, mkl, x, ref)), "ieee")
+    _kernel = _Kernel(lib, openmp, chosen, mkl if chosen == "mkl-call" else None)
+    try:
+        ulp = _self_test_max_ulp()
+    except Exception as e:  # noqa: BLE001 - any failure means: use torch's implementation
+        _kernel = None
+        return None, f"self-test failed: {e}"
+    k, _kernel = _kernel, None
+    if ulp > 2:
+        return None, f"self-test disagrees with torch by {ulp} ulp"
+    k.exact = ulp == 0
+    return k, ""
 
 
 def _get_kernel() -> _Kernel | None:
@@ -308,7 +552,7 @@ def _get_kernel() -> _Kernel | None:
     with _lock:
         if _info is not None:
             return _kernel
-        reason = ""
+        k, reason = None, ""
         if os.environ.get("ZEROPP_CPU_ADAM_FAST", "1") == "0":
             reason = "disabled by ZEROPP_CPU_ADAM_FAST=0"
         else:
@@ -319,32 +563,12 @@ def _get_kernel() -> _Kernel | None:
             if loaded is None:
                 reason = reason or "no working C compiler"
             else:
-                lib, openmp = loaded
-                mkl = _mkl_sqrt_ptr()
-                candidates = ([(mkl, "mkl")] if mkl else []) + [(None, "ieee")]
-                best: tuple[int, _Kernel] | None = None
-                for ptr, name in candidates:
-                    k = _Kernel(lib, ptr, name, openmp)
-                    _kernel = k  # the self-test steps through the kernel
-                    try:
-                        ulp = _self_test_max_ulp()
-                    except Exception as e:  # noqa: BLE001
-                        ulp, reason = 1 << 30, f"self-test failed: {e}"
-                    if best is None or ulp < best[0]:
-                        best = (ulp, k)
-                    if ulp == 0:
-                        break
-                _kernel = None
-                if best is not None and best[0] <= 2:
-                    _kernel = best[1]
-                    _kernel.exact = best[0] == 0
-                    reason = ""
-                else:
-                    reason = reason or f"self-test disagrees with torch by {best[0] if best else '?'} ulp"
+                k, reason = _choose(*loaded)
+                if k is None:
                     warnings.warn(f"zeropp.offload.CpuAdam: C kernel disabled ({reason}); using torch's Adam")
-        k = _kernel
-        _info = KernelInfo(k is not None, bool(k and k.exact), k.sqrt_name if k else "", bool(k and k.openmp),
-                           reason)
+        _kernel = k
+        _info = KernelInfo(k is not None, bool(k and k.exact), k.sqrt_name if k else "", bool(k and k.vector),
+                           bool(k and k.openmp), reason)
     return _kernel
 
 
@@ -353,6 +577,43 @@ def kernel_info() -> KernelInfo:
     _get_kernel()
     assert _info is not None
     return _info
+
+
+_PAGE = 4096
+_STAGGER_MIN_ELEMS = 1 << 16
+
+
+def _circular_gap(a: int, b: int) -> int:
+    d = (a - b) % _PAGE
+    return min(d, _PAGE - d)
+
+
+def _moment_buffers(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed exp_avg / exp_avg_sq like ``p``. For large CPU fp32 parameters, placed so that their addresses
+    modulo 4 KiB sit far from the parameter's, the gradient's and each other's.
+
+    Why: the step stores p[i], m[i], v[i] and then loads p, g, m, v a few cache lines further on. When a load
+    address equals an earlier store address modulo 4096 the core assumes a dependency and stalls ("4K
+    aliasing"); measured here, streams that sit 64-192 bytes apart modulo 4 KiB make the step ~20% slower
+    than page-aligned or 1 KiB-staggered ones. The engine's parameters and gradients are views at arbitrary
+    offsets, so the moments pick the free spots. Each moment is a view into a buffer 4 KiB longer than it
+    (``torch.save`` writes those 4 KiB too)."""
+    if not (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+            and p.numel() >= _STAGGER_MIN_ELEMS):
+        return (torch.zeros_like(p, memory_format=torch.preserve_format),
+                torch.zeros_like(p, memory_format=torch.preserve_format))
+    taken = [p.data_ptr() % _PAGE]
+    if p.grad is not None:
+        taken.append(p.grad.data_ptr() % _PAGE)
+    out = []
+    for _ in range(2):
+        buf = torch.zeros(p.numel() + _PAGE // 4)
+        base = buf.data_ptr() % _PAGE
+        target = max(range(0, _PAGE, 256), key=lambda t: min(_circular_gap(t, x) for x in taken))
+        off = ((target - base) % _PAGE) // 4
+        out.append(buf[off:off + p.numel()].view(p.shape))
+        taken.append(target)
+    return out[0], out[1]
 
 
 def _ptrs(tensors: list[torch.Tensor | None]) -> ctypes.Array:
@@ -367,6 +628,13 @@ class CpuAdam(torch.optim.Optimizer):
         params: parameters or param-group dicts, as for any torch optimizer.
         lr, betas, eps, weight_decay: as torch's; ``weight_decay`` defaults to 0.0 (DeepSpeed's default).
         adamw: decoupled weight decay (AdamW) when True, L2 (Adam) when False.
+        exact: True (default): torch's operation sequence, bit for bit (Note [bit-exact with torch]).
+            False: DeepSpeed's shorter sequence (``fma(sqrt(v), 1/sqrt(bc2), eps)``, ``fma(-step, m / d, p)``,
+            IEEE sqrt): about 1.4x less arithmetic per element, which shows when memory bandwidth is
+            plentiful; results differ from torch's in the last bits (tests bound it). Vector builds only.
+        threads: kernel threads (default: ``torch.get_num_threads()`` at each step). A step run in the
+            background while the next forward/backward computes (ZeRO-Offload's delayed update) should leave
+            cores to the compute, e.g. ``threads=1``. Small steps use fewer (>= 32K elements per thread).
 
     ``state_dict()`` has torch's Adam layout (per parameter ``step`` as a float32 0-dim tensor, ``exp_avg``,
     ``exp_avg_sq``; param groups carry torch's keys with ``decoupled_weight_decay = adamw``), so state dicts
@@ -381,7 +649,7 @@ class CpuAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 adamw: bool = True):
+                 adamw: bool = True, *, threads: int | None = None, exact: bool = True):
         lr = float(lr)
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -397,6 +665,8 @@ class CpuAdam(torch.optim.Optimizer):
                     "capturable": False, "differentiable": False, "fused": None,
                     "decoupled_weight_decay": bool(adamw)}
         super().__init__(params, defaults)
+        self.threads = threads
+        self.exact = exact
         self._force: str | None = None  # tests: "kernel" or "torch"
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -435,8 +705,7 @@ class CpuAdam(torch.optim.Optimizer):
         st = self.state[p]
         if len(st) == 0:  # lazy, as torch: step is a float32 0-dim CPU tensor
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg"], st["exp_avg_sq"] = _moment_buffers(p)
         return st
 
     def _step_group(self, group: dict[str, Any], kernel: _Kernel | None,
@@ -501,11 +770,13 @@ class CpuAdam(torch.optim.Optimizer):
             by_kind.setdefault(None if o is None else o.dtype, []).append(i)
         for idx in by_kind.values():
             self._kernel_call(kernel, [items[i] for i in idx], [neg_step[i] for i in idx],
-                              [bc2s[i] for i in idx], lr, wd, beta1, beta2, eps, adamw)
+                              [bc2s[i] for i in idx], lr, wd, beta1, beta2, eps, adamw,
+                              self.threads or torch.get_num_threads(), self.exact)
 
     @staticmethod
     def _kernel_call(kernel: _Kernel, items: list, neg_step: list[float], bc2s: list[float], lr: float,
-                     wd: float, beta1: float, beta2: float, eps: float, adamw: bool) -> None:
+                     wd: float, beta1: float, beta2: float, eps: float, adamw: bool, threads: int,
+                     exact: bool) -> None:
         n = len(items)
         offs = [0] * (n + 1)
         for i, (p, _, _) in enumerate(items):
@@ -514,13 +785,16 @@ class CpuAdam(torch.optim.Optimizer):
         out_dt = _OUT_CODE[o16[0].dtype] if o16[0] is not None else 0
         decay = 1 - lr * wd if (adamw and wd != 0) else 1.0
         l2 = (not adamw) and wd != 0
-        threads = max(1, min(torch.get_num_threads(), offs[-1] // _MIN_ELEMS_PER_THREAD))
+        threads = max(1, min(threads, offs[-1] // _MIN_ELEMS_PER_THREAD))
+        sqrt_mode = kernel.sqrt_mode
+        if not exact and kernel.vector:
+            sqrt_mode, bc2s = _SQRT_MODES["fast"], [1.0 / b for b in bc2s]
         kernel.lib.za_step(
             n, _ptrs([p for p, _, _ in items]), _ptrs([p.grad for p, _, _ in items]),
             _ptrs([st["exp_avg"] for _, st, _ in items]), _ptrs([st["exp_avg_sq"] for _, st, _ in items]),
             _ptrs(o16), (ctypes.c_int64 * (n + 1))(*offs), (ctypes.c_float * n)(*neg_step),
             (ctypes.c_float * n)(*bc2s), decay, float(wd), 1 - beta1, beta2, 1 - beta2, eps, int(l2), out_dt,
-            kernel.sqrt_ptr, threads)
+            sqrt_mode, kernel.sqrt_ptr, threads)
 
 
 def _kernel_takes(p: torch.Tensor, st: dict[str, Any], o: torch.Tensor | None) -> bool:

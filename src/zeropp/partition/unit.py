@@ -59,13 +59,16 @@ class Unit:
         keep_shard: bool = True,
         alias_fp32_shard: bool = True,
         device: torch.device | None = None,
+        host_masters: bool = False,
     ) -> None:
         """Cut each parameter's chunk ``rank`` of ``world`` into the master row and free the full weights.
 
         ``keep_shard=False`` (stages 0-2, whose full weights stay resident) keeps no 16-bit shard between
         steps: it is derived from the master when the weights are gathered after an optimizer step. In fp32
         the kept shard is the master itself unless ``alias_fp32_shard`` is False (delayed updates).
-        Every row lives on ``device`` (default: the first parameter's device; the host for meta ones).
+        Every row lives on ``device`` (default: the first parameter's device; the host for meta ones),
+        except with ``host_masters`` (optimizer offload): the fp32 master and the gradient row live on the
+        host, where the optimizer steps, and only the 16-bit shard and the full weights on the device.
         """
         self.index = index
         self.module_name = module_name
@@ -78,7 +81,8 @@ class Unit:
         self.row = RowLayout(tuple(ShardSpec(p.numel(), p.shape, world).chunk for _, p in named_params))
         first = named_params[0][1].device if named_params else torch.device("cpu")
         self.device = device or (torch.device("cpu") if first.type == "meta" else first)
-        self.master = torch.zeros(self.row.numel, dtype=torch.float32, device=self.device)
+        self.state_device = torch.device("cpu") if host_masters else self.device
+        self.master = torch.zeros(self.row.numel, dtype=torch.float32, device=self.state_device)
         for (name, p), off, c in zip(named_params, self.row.offsets, self.row.chunks):
             spec = ShardSpec(p.numel(), p.shape, world)
             with torch.no_grad():
@@ -88,8 +92,8 @@ class Unit:
             self.slots.append(ParamSlot(name, p, spec, full))
         self._shard: Optional[torch.Tensor] = None
         if keep_shard:
-            alias = compute_dtype == torch.float32 and alias_fp32_shard
-            self._shard = self.master if alias else self.master.to(compute_dtype, copy=True)
+            alias = compute_dtype == torch.float32 and alias_fp32_shard and self.state_device == self.device
+            self._shard = self.master if alias else self.master.to(self.device, compute_dtype, copy=True)
         # Fixed views: the optimizer keys its state by tensor identity, so they are made once.
         self._master_views = self._split(self.master)
         self.grad: Optional[torch.Tensor] = None  # allocated at first use: see grad_row()
@@ -108,7 +112,7 @@ class Unit:
         """This rank's row in the compute dtype: what a gather sends (derived from the master if not kept)."""
         if self._shard is not None:
             return self._shard
-        return self.master if self.compute_dtype == torch.float32 else self.master.to(self.compute_dtype)
+        return self.master.to(self.device, self.compute_dtype)  # the master itself when nothing changes
 
     @property
     def kept_shard(self) -> Optional[torch.Tensor]:
@@ -118,7 +122,7 @@ class Unit:
     def grad_row(self) -> torch.Tensor:
         """The reduced gradient row (compute dtype), allocated as zeros on first use."""
         if self.grad is None:
-            self.grad = torch.zeros(self.row.numel, dtype=self.compute_dtype, device=self.device)
+            self.grad = torch.zeros(self.row.numel, dtype=self.compute_dtype, device=self.state_device)
             self._grad_views = self._split(self.grad)
         return self.grad
 

@@ -75,6 +75,6 @@ class GradBuckets:
         off = 0
         for e in job.entries:
             c = e.unit.slots[e.slot].spec.chunk
-            shard = e.unit.grad_views()[e.slot]
-            shard.add_(row[off : off + c].to(shard.dtype))
+            shard = e.unit.grad_views()[e.slot]  # on the host under optimizer offload: copied out per bucket
+            shard.add_(row[off : off + c].to(shard.device, shard.dtype))
             off += c

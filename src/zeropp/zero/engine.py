@@ -84,6 +84,7 @@ class TrainPolicy:
     stage: int = 3
     loss_scaler: Optional[LossScaler] = None  # fp16 only
     delayed_update_after: Optional[int] = None  # DPU: optimizer steps before updates run in the background
+    offload_optimizer: bool = False  # fp32 masters, optimizer state and gradient rows on the host
 
 
 class _BackgroundUpdate:
@@ -193,7 +194,8 @@ class ZeroEngine:
             # A delayed update writes the masters while the next forward gathers the shard: never alias them.
             unit = Unit(i, plan.module_name, plan.params, self.shard_world, shard_rank,
                         self.policy.compute_dtype, keep_shard=self.plan.shards_weights,
-                        alias_fp32_shard=self.policy.delayed_update_after is None)
+                        alias_fp32_shard=self.policy.delayed_update_after is None,
+                        host_masters=self.policy.offload_optimizer)
             if self.plan.shards_weights:
                 plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
                 plan.module.register_forward_hook(self._make_post_forward(unit))
@@ -489,7 +491,7 @@ class ZeroEngine:
         world = self.topo.world
         for u in self.units:
             rows = torch.empty(world.size, u.row.numel, dtype=torch.float32, device=u.device)
-            self.comm.all_gather(rows, u.master, world, Phase.OTHER)
+            self.comm.all_gather(rows, u.master.to(u.device), world, Phase.OTHER)
             for slot, off, c in zip(u.slots, u.row.offsets, u.row.chunks):
                 flat = rows[:, off : off + c].reshape(-1)[: slot.spec.numel]
                 full[id(slot.param)] = flat.view(slot.spec.shape).clone()
