@@ -32,6 +32,9 @@ def _train_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--zeropp", action=argparse.BooleanOptionalAction, default=None,
                    help="switch qwZ, hpZ (group = one node) and qgZ all on or all off, overriding the config "
                    "(default: as the config says; the built-in config has them on)")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"), default=None,
+                   help="ZeRO-Offload: run the optimizer on the host (cpu); nvme is not supported yet "
+                   "(default: as the config says)")
     p.add_argument("--steps", type=_positive, default=60, help="optimizer steps (default: 60)")
     p.add_argument("--seed", type=int, default=1234, help="seed for the model and the batches (default: 1234)")
     p.add_argument("--block-size", type=_positive, default=128, help="tokens per sequence (default: 128)")
@@ -50,6 +53,8 @@ def _job_args(args: argparse.Namespace) -> list[str]:
         out += ["--config", os.path.abspath(args.config)]
     if args.zeropp is not None:
         out.append("--zeropp" if args.zeropp else "--no-zeropp")
+    if args.offload is not None:
+        out += ["--offload", args.offload]
     if args.out:
         out += ["--out", os.path.abspath(args.out)]
     return out
@@ -99,16 +104,40 @@ def consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub: "argparse._SubParsersAction") -> None:
+    from zeropp.bench.run import parser as bench_parser
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark ZeRO++ against DDP, FSDP2, DeepSpeed and ZeRO-3 on a simulated slow-network cluster",
+        description="Run every system on N network-namespace nodes x R ranks with inter-node links limited by "
+        "tc tbf, for each bandwidth; record median step time, wire bytes (veth counters), ledger bytes, peak "
+        "model-state memory and loss; write JSON, a markdown table and plots to --out. Needs root for the "
+        "namespaces; without it, ledger-only mode on loopback. See docs/benchmarks.md.",
+    )
+    bench_parser(p)
+
+
+def bench(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
+    from zeropp.bench.run import main as bench_main
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return bench_main(argv[argv.index("bench") + 1:] if "bench" in argv else [], prog_args=args)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="zeropp", description="ZeRO-3 with ZeRO++ on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _consolidate_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
     if args.command == "consolidate":
         return consolidate(args)
+    if args.command == "bench":
+        return bench(args, argv)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -50,6 +50,7 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None)
     p.add_argument("--zeropp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"), default=None)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--block-size", type=int, default=128)
@@ -75,6 +76,9 @@ def resolve_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
         zero["zero_hpz_partition_size"] = (args.ranks_per_node or _ranks_per_node(cfg, world)) if args.zeropp else 1
     if args.ranks_per_node:
         cfg.setdefault("topology", {})["ranks_per_node"] = args.ranks_per_node
+    if args.offload is not None:
+        zero.setdefault("offload_optimizer", {})["device"] = args.offload
+    load_config(cfg)  # an unsupported combination fails here, with the key named, before any training
     return cfg
 
 
@@ -142,7 +146,8 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
         print(f"zeropp: GPT {model.num_parameters():,} parameters, {world} ranks as "
               f"{world // engine.topo.ranks_per_node} nodes x {engine.topo.ranks_per_node}, "
               f"ZeRO-3{' + ' + ' + '.join(on) if on else ''}, "
-              f"{'bf16' if cfg.get('bf16', {}).get('enabled') else 'fp32'}", flush=True)
+              f"{'bf16' if cfg.get('bf16', {}).get('enabled') else 'fp32'}"
+              f"{', optimizer offloaded to the host' if engine.policy.offload_optimizer else ''}", flush=True)
     progress = Progress(args.steps, args.log_every)
     losses: list[float] = []
     t0 = time.perf_counter()

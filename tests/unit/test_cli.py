@@ -287,3 +287,10 @@ def test_config_topology_is_kept_without_ranks_per_node(tmp_path: Path) -> None:
     assert "--ranks-per-node" not in forwarded
     cfg = job.resolve_config(job.job_parser().parse_args(forwarded), 4)
     assert cfg["topology"]["ranks_per_node"] == 4
+
+
+def test_offload_flag_sets_the_optimizer_device_and_nvme_is_refused() -> None:
+    cfg = job.resolve_config(job.job_parser().parse_args(["--offload", "cpu"]), 4)
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    with pytest.raises(Exception, match="offload_optimizer.device: not supported yet"):
+        job.resolve_config(job.job_parser().parse_args(["--offload", "nvme"]), 4)
