@@ -1,8 +1,7 @@
 """Build-at-first-use for the small C kernels: compile with the system C compiler, cache the shared library,
 load it with ctypes.
 
-The recipe is the one ``quant/fast.py`` introduced (that module still carries its own copy of it; moving it
-onto this module is a mechanical change left for when nobody else is editing it):
+Used by ``quant/fast.py`` (block quantizers) and ``offload/cpu_adam.py`` (host Adam):
 
 * compiler: ``$CC``, else ``cc`` / ``gcc`` / ``clang`` on ``PATH``; none -> ``None`` and the caller falls back
   to its pure-torch path;
@@ -106,7 +105,7 @@ def build_shared_library(name: str, source: str, base_flags: Sequence[str], vari
         try:
             with open(src, "w") as f:
                 f.write(source)
-            res = subprocess.run([cc, *flags, src, "-o", tmp_so, *libs], capture_output=True, timeout=120)
+            res = subprocess.run([cc, *flags, src, "-o", tmp_so, *libs], capture_output=True, timeout=120, check=False)
             if res.returncode == 0:
                 os.replace(tmp_so, so)  # atomic: concurrent builders of the same key are harmless
                 return so

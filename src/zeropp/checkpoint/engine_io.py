@@ -243,6 +243,15 @@ class _Loaded:
     loss_scaler: Optional[dict] = None  # fp16 only
 
 
+# Optimizers whose state dicts share one layout (torch's Adam family; CpuAdam keeps it on purpose), so a run
+# saved with AdamW resumes with optimizer offload (CpuAdam) and back.
+_SAME_STATE = {"Adam": "adam", "AdamW": "adam", "CpuAdam": "adam"}
+
+
+def _family(optimizer_name: str) -> str:
+    return _SAME_STATE.get(optimizer_name, optimizer_name)
+
+
 def check_model(manifest: Manifest, params: list[_Param], optimizer_name: Optional[str] = None) -> None:
     """Raise naming the first parameter (name and shape) where the model and the checkpoint differ.
 
@@ -267,7 +276,7 @@ def check_model(manifest: Manifest, params: list[_Param], optimizer_name: Option
             raise CheckpointError(f"parameter {p.name} is optimizer parameter {p.optimizer_index} in the model "
                                   f"but {s.optimizer_index} in checkpoint {manifest.path} (different trainable set?)")
     saved_opt = manifest.raw.get("engine", {}).get("optimizer")
-    if optimizer_name and saved_opt and saved_opt != optimizer_name:
+    if optimizer_name and saved_opt and _family(saved_opt) != _family(optimizer_name):
         raise CheckpointError(f"checkpoint {manifest.path} holds {saved_opt} state, the engine uses {optimizer_name}")
 
 

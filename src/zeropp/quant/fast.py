@@ -24,16 +24,13 @@ flags and CPU, and written atomically so concurrent ranks may race to build it s
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 
 import torch
+
+from zeropp import native
 
 from . import blockwise as spec
 from .blockwise import QuantizedRows
@@ -296,87 +293,12 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("ZEROPP_CACHE_DIR")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(xdg, "zeropp")
-    try:
-        os.makedirs(base, exist_ok=True)
-        if os.access(base, os.W_OK):
-            return base
-    except OSError:
-        pass
-    base = os.path.join(tempfile.gettempdir(), f"zeropp-{os.getuid() if hasattr(os, 'getuid') else 0}")
-    os.makedirs(base, exist_ok=True)
-    return base
-
-
-def _cpu_key() -> str:
-    """The CPU's feature flags (the build uses -march=native)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() + platform.machine()
-
-
-def _torch_uses_libgomp() -> bool:
-    """True when the process has a library named libgomp.so.1 mapped (torch's OpenMP runtime on Linux). Our
-    -fopenmp build then binds to that same runtime by soname and shares its thread pool; with any other runtime
-    (a renamed libgomp, LLVM/Intel OpenMP) it would start a second pool, so we build with pthreads instead."""
-    try:
-        with open("/proc/self/maps") as f:
-            return any(line.rstrip().endswith("/libgomp.so.1") for line in f)
-    except OSError:
-        return False
-
-
-def _variants() -> list[list[str]]:
-    """Extra compiler flags to try, best first."""
-    variants = [["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], []]
-    if os.environ.get("ZEROPP_QUANT_OPENMP", "1") == "0" or not _torch_uses_libgomp():
-        variants = [v for v in variants if "-fopenmp" not in v]
-    return variants
-
-
-def _build(cc: str, extra: list[str]) -> str | None:
-    """Compile the kernel with ``extra`` flags (or find it cached); return the .so path, or None on failure."""
-    flags = _BASE_FLAGS + extra
-    key = hashlib.sha256("\0".join([_C_SOURCE, cc, *flags, _cpu_key()]).encode()).hexdigest()[:16]
-    so = os.path.join(_cache_dir(), f"zeropp_quant_{key}.so")
-    if os.path.exists(so):
-        return so
-    fd, tmp_so = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(so))
-    os.close(fd)
-    src = tmp_so[:-3] + ".c"
-    try:
-        with open(src, "w") as f:
-            f.write(_C_SOURCE)
-        res = subprocess.run([cc, *flags, src, "-o", tmp_so, "-lm"], capture_output=True, timeout=120)
-        if res.returncode == 0:
-            os.replace(tmp_so, so)  # atomic: concurrent ranks building the same key is harmless
-            return so
-    except (OSError, subprocess.SubprocessError):
-        pass
-    finally:
-        for path in (src, tmp_so):
-            if os.path.exists(path):
-                os.unlink(path)
-    return None
-
-
 def _load() -> ctypes.CDLL | None:
-    """Build and load the first variant that compiles and loads (e.g. the OpenMP build may fail to load)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        return None
+    """Build (or find cached) and load the first flag variant that compiles and loads (the OpenMP build may
+    compile yet fail to load); build and cache rules are ``zeropp.native``'s."""
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    for extra in _variants():
-        so = _build(cc, extra)
+    for extra in native.openmp_variants("ZEROPP_QUANT_OPENMP"):
+        so = native.build_shared_library("quant", _C_SOURCE, _BASE_FLAGS, [extra])
         if so is None:
             continue
         try:

@@ -157,7 +157,6 @@ class ZeroEngine:
         ]
         self.optimizer = make_optimizer(masters)
         self.lr_scheduler = make_scheduler(self.optimizer)
-        self._pass: Optional[Pass] = None
         self._inflight: dict[Unit, PendingGather] = {}
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
