@@ -27,7 +27,39 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 
-__all__ = ["build_shared_library", "cache_dir", "compiler", "cpu_key", "openmp_variants", "torch_uses_libgomp"]
+__all__ = ["C_FLOAT_BITS", "build_shared_library", "cache_dir", "compiler", "cpu_key", "openmp_variants", "torch_uses_libgomp"]
+
+
+#: C helpers both kernels need: float bit casts and c10's exact fp16/bf16 conversions (needs <math.h>,
+#: <stdint.h>, <string.h> included before it). Bit-identity with torch rests on these matching c10.
+C_FLOAT_BITS = r"""
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* IEEE binary16 -> fp32, exact (c10's fp16_ieee_to_fp32_value). */
+static inline float h2f(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    float norm = u2f((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    float denorm = u2f((two_w >> 17) | (126u << 23)) - 0.5f;
+    return u2f(sign | (two_w < (1u << 27) ? f2u(denorm) : f2u(norm)));
+}
+/* fp32 -> binary16, round to nearest even (c10's fp16_ieee_from_fp32_value). */
+static inline uint16_t f2h(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t w = f2u(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    uint32_t bits = f2u(u2f((bias >> 1) + 0x07800000u) + base);
+    uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+/* fp32 -> bfloat16, round to nearest even (c10's round_to_nearest_even). */
+static inline uint16_t f2bf(float f) {
+    uint32_t u = f2u(f);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
+}
+"""
 
 
 def compiler() -> str | None:

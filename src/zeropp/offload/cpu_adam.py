@@ -86,25 +86,7 @@ typedef void (*sqrt_fn_t)(int64_t, const float*, float*, int64_t);
 #define MAXT 64
 #define PARTS_PER_THREAD 8
 
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-/* fp32 -> bfloat16, round to nearest even (c10's round_to_nearest_even). */
-static inline uint16_t f2bf(float f) {
-    uint32_t u = f2u(f);
-    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
-}
-/* fp32 -> binary16, round to nearest even (c10's fp16_ieee_from_fp32_value). */
-static inline uint16_t f2h(float f) {
-    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
-    uint32_t w = f2u(f), shl1_w = w + w, sign = w & 0x80000000u;
-    uint32_t bias = shl1_w & 0xFF000000u;
-    bias = bias < 0x71000000u ? 0x71000000u : bias;
-    uint32_t bits = f2u(u2f((bias >> 1) + 0x07800000u) + base);
-    uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
-    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
+""" + native.C_FLOAT_BITS + r"""
 typedef struct {
     int64_t nt;
     float* const* p; const float* const* g; float* const* m; float* const* v; void* const* o16;
