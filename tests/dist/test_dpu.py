@@ -8,11 +8,10 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zeropp
-from support.models import TiedNet, rank_slice, tied_batch
-from support.train import ADAMW, config, param_rel_error
+from support.models import TiedNet, tied_batch
+from support.train import ADAMW, config, param_rel_error, train_steps
 from support.world import run_world
 
 STEPS, WARMUP, GB = 8, 3, 8
@@ -31,15 +30,7 @@ def run(rank: int, world: int) -> dict:
     for stage in (2, 3):
         torch.manual_seed(0)
         engine, *_ = zeropp.initialize(model=TiedNet(), config=dpu_config(stage))
-        losses = []
-        for step in range(STEPS):
-            idx, tgt = tied_batch(step, GB)
-            loss = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
-            engine.backward(loss)
-            engine.step()
-            value = loss.detach().reshape(1).clone()
-            dist.all_reduce(value)
-            losses.append(value.item() / world)
+        losses = train_steps(engine, rank, world, STEPS, GB)
         out[stage] = {"losses": losses, "state": engine.consolidated_state_dict()}  # joins the last update
     return out
 

@@ -7,11 +7,10 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zeropp
-from support.models import TiedNet, rank_slice, tied_batch
-from support.train import config
+from support.models import TiedNet
+from support.train import config, train_steps
 from support.world import run_world
 
 STEPS, GB = 6, 8
@@ -31,15 +30,7 @@ def case_config(stage: int, dtype: str, dpu: bool, offload: bool) -> dict:
 def train(rank: int, world: int, cfg: dict) -> dict:
     torch.manual_seed(0)
     engine, optimizer, *_ = zeropp.initialize(model=TiedNet(), config=cfg)
-    losses = []
-    for step in range(STEPS):
-        idx, tgt = tied_batch(step, GB)
-        loss = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
-        engine.backward(loss)
-        engine.step()
-        value = loss.detach().float().reshape(1).clone()
-        dist.all_reduce(value)
-        losses.append(value.item())
+    losses = train_steps(engine, rank, world, STEPS, GB)
     return {"losses": losses, "state": engine.consolidated_state_dict(), "optimizer": type(optimizer).__name__}
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import zeropp
 from support.models import TiedNet, rank_slice, tied_batch
-from support.train import ADAMW, config, param_rel_error, train_engine, train_reference
+from support.train import ADAMW, config, param_rel_error, train_engine, train_reference, train_steps
 from support.world import run_world
 from zeropp import accounting
 
@@ -95,15 +95,7 @@ def user_optimizer_run(rank: int, world: int, stage: int) -> dict:
     model = TiedNet()
     engine, optimizer, *_ = zeropp.initialize(model=model, config=stage_config(stage),
                                               optimizer=grouped_adamw(model))
-    losses = []
-    for step in range(6):
-        idx, tgt = tied_batch(step, GB)
-        loss = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
-        engine.backward(loss)
-        engine.step()
-        value = loss.detach().reshape(1).clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
+    losses = train_steps(engine, rank, world, 6, GB)
     groups = [{k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])}
               for g in optimizer.param_groups]
     return {"losses": losses, "type": type(optimizer).__name__, "groups": groups}

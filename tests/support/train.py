@@ -19,6 +19,20 @@ def config(global_batch: int, **zero: Any) -> dict:
     return cfg
 
 
+def train_steps(engine: Any, rank: int, world: int, steps: int, global_batch: int) -> list[float]:
+    """``steps`` optimizer steps of TiedNet batches; returns the global-batch loss of each (mean over ranks)."""
+    losses = []
+    for step in range(steps):
+        idx, tgt = tied_batch(step, global_batch)
+        loss = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().float().reshape(1).clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
 def train_engine(rank: int, world: int, cfg: dict, steps: int, global_batch: int, seed: int = 0,
                  **model_kwargs: int) -> dict:
     """Train TiedNet under the engine; losses are averaged over ranks (= the global-batch loss)."""

@@ -1,0 +1,92 @@
+"""Smoke test of ``zeropp bench``: ledger-only mode (no root, no namespaces), a tiny GPT, 1 warm-up + 2 timed steps,
+three systems (DDP, zeropp ZeRO-3, zeropp ZeRO++). Keeps the benchmark from rotting; DeepSpeed is not needed."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SYSTEMS = ("ddp", "zeropp_zero3", "zeropp_all")
+PHASES = ("forward_gather", "backward_gather", "grad_reduce", "other")
+ROW_FIELDS = {"system", "label", "bandwidth", "parameters", "steps", "warmup", "step_times_s", "median_step_s",
+              "losses", "loss", "step_index", "wire", "ledger", "model_state_bytes_peak"}
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "zeropp.cli", "bench", "--ledger-only", "--tiny", "--steps", "2", "--warmup", "1",
+           "--systems", ",".join(SYSTEMS), "--out", str(out), "--timeout", "100"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=out, env=env)
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return {"json": json.loads((out / "cluster_bench.json").read_text()), "stdout": proc.stdout, "out": out}
+
+
+def _row(result: dict, system: str) -> dict:
+    rows = [r for r in result["json"]["rows"] if r["system"] == system]
+    assert len(rows) == 1, rows
+    assert "error" not in rows[0], rows[0]
+    return rows[0]
+
+
+def test_rows_have_fields_and_sane_values(bench: dict) -> None:
+    result = bench["json"]
+    assert result["meta"]["mode"].startswith("ledger-only")
+    assert result["meta"]["bandwidths"] == ["loopback"]
+    assert [r["system"] for r in result["rows"]] == list(SYSTEMS)
+    params = {r["parameters"] for r in result["rows"]}
+    assert len(params) == 1 and params.pop() > 0  # same model everywhere
+    for system in SYSTEMS:
+        row = _row(bench, system)
+        assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
+        assert row["bandwidth"] == "loopback" and row["steps"] == 2 and len(row["step_times_s"]) == 2
+        assert 0 < row["median_step_s"] < 30
+        assert all(math.isfinite(x) and 3.0 < x < 7.0 for x in row["losses"]), row["losses"]
+        assert row["step_index"] == 4  # 1 first step + 1 warm-up + 2 timed: same batches for every system
+        assert row["wire"] is None  # no namespaces, no wire counters
+        assert row["model_state_bytes_peak"]["total"] > 0
+
+
+def test_ledger_rows(bench: dict) -> None:
+    assert _row(bench, "ddp")["ledger"] is None
+    z3, zpp = _row(bench, "zeropp_zero3")["ledger"], _row(bench, "zeropp_all")["ledger"]
+    for ledger in (z3, zpp):
+        assert set(ledger) == {"rank0", "all_ranks"}
+        assert set(ledger["all_ranks"]) == set(PHASES)
+    inter = {name: sum(v["inter_node_bytes"] for v in led["all_ranks"].values()) for name, led in
+             (("z3", z3), ("zpp", zpp))}
+    assert inter["z3"] > 0 and inter["zpp"] < 0.3 * inter["z3"], inter
+    assert zpp["all_ranks"]["backward_gather"]["inter_node_bytes"] == 0  # hpZ
+    z3_mem = _row(bench, "zeropp_zero3")["model_state_bytes_peak"]["total"]
+    zpp_mem = _row(bench, "zeropp_all")["model_state_bytes_peak"]
+    assert zpp_mem["hpz_secondary"] > 0 and zpp_mem["total"] > z3_mem
+
+
+def test_losses_agree(bench: dict) -> None:
+    ddp, z3, zpp = (_row(bench, s)["loss"] for s in SYSTEMS)
+    assert abs(z3 / ddp - 1) < 0.01, (ddp, z3)
+    assert abs(zpp / z3 - 1) < 0.02, (z3, zpp)
+
+
+def test_report_files(bench: dict) -> None:
+    out: Path = bench["out"]
+    md = (out / "cluster_bench.md").read_text()
+    assert "## Median step time (s)" in md and "## Targets" in md and "zeropp ZeRO++" in md
+    assert "ledger inter-node bytes ZeRO++ / zeropp ZeRO-3" in md
+    assert "ledger-only mode" in bench["stdout"]
+    assert json.loads((out / "cluster_bench.json").read_text())["targets"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    for name in ("cluster_bench_step_time.png", "cluster_bench_bytes.png"):
+        assert (out / name).stat().st_size > 0
+    assert not (out / "tmp").exists() or not any((out / "tmp").glob("zpb*"))  # the run's work folder is removed
