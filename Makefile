@@ -22,8 +22,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -e '.[bench]'
+	# DS_BUILD_OPS=0: DeepSpeed (the bench extra) installs without compiling CUDA ops and keeps the pinned torch.
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python bench/bench_quant.py
+	# the side-by-side cluster benchmark (~30-40 min; needs root for network namespaces, else ledger-only)
+	$(BIN)/zeropp bench
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import IO, Optional, Sequence
+from typing import IO, Callable, Optional, Sequence
 
 SUBNET = "10.77.0"  # private to the namespaces: the host's interfaces are not visible inside them
 IFACE = "eth0"
@@ -216,7 +216,7 @@ class Cluster:
                 self.launched.append(r)
         return ranks
 
-    def wait(self, ranks: list[Rank], timeout_s: float, poll: Optional[callable] = None) -> list[int]:
+    def wait(self, ranks: list[Rank], timeout_s: float, poll: Optional[Callable[[], None]] = None) -> list[int]:
         """Wait for every rank; on a failure or after ``timeout_s`` end them all. Returns the exit codes."""
         deadline = time.monotonic() + timeout_s
         try:

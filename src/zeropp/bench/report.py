@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any, Optional
 
-from zeropp.bench.systems import NOT_RUNNABLE, SYSTEMS
+from zeropp.bench.catalog import NOT_RUNNABLE, SYSTEMS
 
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "other")
 MB = 1e6
@@ -54,8 +54,8 @@ def targets(rows: list[dict[str, Any]], bandwidths: list[str], slow: str = "200m
 
     fast = fast if fast in bandwidths or not bandwidths else bandwidths[0]
     wire_bw = slow if slow in bandwidths else (bandwidths[-1] if bandwidths else slow)
-    add(f"{slow}: ZeRO++ step / zeropp ZeRO-3 step", _ratio(_step(rows, ZEROPP, slow), _step(rows, "zeropp_zero3", slow)),
-        0.45)
+    add(f"{slow}: ZeRO++ step / zeropp ZeRO-3 step",
+        _ratio(_step(rows, ZEROPP, slow), _step(rows, "zeropp_zero3", slow)), 0.45)
     add(f"{slow}: ZeRO++ step / FSDP2 step", _ratio(_step(rows, ZEROPP, slow), _step(rows, "fsdp2", slow)), 0.5)
     add(f"{slow}: ZeRO++ step / DeepSpeed ZeRO-3 step",
         _ratio(_step(rows, ZEROPP, slow), _step(rows, "ds_zero3", slow)), 0.5)
@@ -76,12 +76,12 @@ def targets(rows: list[dict[str, Any]], bandwidths: list[str], slow: str = "200m
     last = bandwidths[-1] if bandwidths else None
     if last:
         base = find(rows, "ddp", last) or find(rows, "zeropp_zero3", last)
-        plain = [s for s in ("ddp", "fsdp2", "fsdp2_hpz", "ds_zero3", "ds_zero3_hpz", "zeropp_zero3")
-                 if find(rows, s, last)]
+        plain = [s for s in ("ddp", "fsdp2", "fsdp2_hpz", "ds_zero3", "ds_zero3_hpz", "ds_zero3_prefetch",
+                             "zeropp_zero3", "zeropp_hpz") if find(rows, s, last)]
         if base and plain:
             spread = max(abs(find(rows, s, last)["loss"] / base["loss"] - 1) for s in plain)
-            out.append({"name": f"loss spread DDP/FSDP2/DeepSpeed/zeropp ZeRO-3 after the run (rel. to "
-                                f"{base['system']}; 'bf16 noise')", "value": spread, "target": None, "op": "info",
+            out.append({"name": f"loss spread of the unquantized systems after the run (max |rel. diff| to "
+                                f"{base['system']}; bf16 noise)", "value": spread, "target": None, "op": "info",
                         "met": None})
         zpp, z3l = find(rows, ZEROPP, last), find(rows, "zeropp_zero3", last)
         add("ZeRO++ loss vs zeropp ZeRO-3 after the run, |relative difference|",
@@ -100,7 +100,8 @@ def markdown(result: dict[str, Any]) -> str:
     bws = meta["bandwidths"]
     systems = [s for s in meta["systems"]]
     lines = [f"# zeropp bench: {meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['mode']}", "",
-             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}  ",
+             f"Command: `{meta['command'].strip()}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; zeropp sources sha256[:12] "
+             f"{meta.get('code_sha256_12', '-')} (the copy every rank imported)  ",
              f"Model: GPT {meta['parameters']:,} parameters ({meta['model']}), micro-batch {meta['micro_batch']} "
              f"x {meta['model']['block_size']} tokens per rank, bf16, AdamW, {meta['warmup']} warm-up + "
              f"{meta['steps']} timed steps per bandwidth (training continues across bandwidths, same order for "
@@ -171,7 +172,8 @@ def plots(result: dict[str, Any], out_dir: str, stem: str) -> list[str]:
         pts = [(i, find(rows, s, bw)["median_step_s"]) for i, bw in enumerate(bws) if find(rows, s, bw)]
         if pts:
             style = "-o" if s.startswith("zeropp") else "--s"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=SYSTEMS[s][1])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=SYSTEMS[s][1],
+                    linewidth=3 if s == ZEROPP else 1.5)
     ax.set_xticks(range(len(bws)), bws)
     ax.set_yscale("log")
     ax.set_xlabel("inter-node link (tc tbf, per node, full duplex)")
@@ -186,7 +188,7 @@ def plots(result: dict[str, Any], out_dir: str, stem: str) -> list[str]:
     plt.close(fig)
 
     ref_bw = "200mbit" if "200mbit" in bws else bws[-1]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6.5))
     zsys = [s for s in systems if find(rows, s, ref_bw) and find(rows, s, ref_bw).get("ledger")]
     colors = {"forward_gather": "tab:blue", "backward_gather": "tab:orange", "grad_reduce": "tab:green",
               "other": "tab:gray"}
@@ -203,12 +205,12 @@ def plots(result: dict[str, Any], out_dir: str, stem: str) -> list[str]:
                    fontsize=8)
     ax1.set_ylabel("MB per step, received by all ranks (ledger)")
     ax1.set_title("zeropp ledger by phase and link (hatched: intra-node)")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     wsys = [s for s in systems if find(rows, s, ref_bw) and find(rows, s, ref_bw).get("wire")]
     vals = [find(rows, s, ref_bw)["wire"]["inter_node_bytes_per_step"] / MB for s in wsys]
     ax2.bar(range(len(wsys)), vals, color=["tab:purple" if s.startswith("zeropp") else "tab:brown" for s in wsys])
     ax2.set_xticks(range(len(wsys)), [SYSTEMS[s][1] for s in wsys], rotation=30, ha="right", fontsize=8)
-    ax2.set_ylabel("MB per step on the inter-node wire (sum of node eth0 tx)")
+    ax2.set_ylabel("MB per step (sum of the nodes' eth0 tx)")
     ax2.set_title(f"inter-node wire bytes per step at {ref_bw} (veth counters)")
     fig.tight_layout()
     paths.append(os.path.join(out_dir, f"{stem}_bytes.png"))
@@ -217,7 +219,8 @@ def plots(result: dict[str, Any], out_dir: str, stem: str) -> list[str]:
     return paths
 
 
-def write(result: dict[str, Any], out_dir: str, stem: str = "bench") -> list[str]:
+def write(result: dict[str, Any], out_dir: str, stem: str = "cluster_bench") -> list[str]:
+    """``STEM.json``, ``STEM.md`` and the plots in ``out_dir``; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md")]
     with open(paths[0], "w") as f:
@@ -225,3 +228,14 @@ def write(result: dict[str, Any], out_dir: str, stem: str = "bench") -> list[str
     with open(paths[1], "w") as f:
         f.write(markdown(result))
     return paths + plots(result, out_dir, stem)
+
+
+if __name__ == "__main__":  # python -m zeropp.bench.report bench/results/cluster_bench.json: redo the .md and plots
+    import sys
+
+    path = sys.argv[1]
+    with open(path) as f:
+        saved = json.load(f)
+    saved["targets"] = targets(saved["rows"], saved["meta"]["bandwidths"])
+    stem = os.path.splitext(os.path.basename(path))[0]
+    print("\n".join(write(saved, os.path.dirname(path) or ".", stem)))

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from zeropp.bench import report
 from zeropp.bench.cluster import Cluster, ClusterError, cleanup_prefix
-from zeropp.bench.systems import SYSTEMS, deepspeed_available
+from zeropp.bench.catalog import SYSTEMS
 
 BANDWIDTHS = {"unlimited": None, "1gbit": "1gbit", "200mbit": "200mbit", "100mbit": "100mbit"}
 DEFAULT_SYSTEMS = list(SYSTEMS)
@@ -37,7 +37,7 @@ def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentPars
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help="comma-separated subset of: " + ", ".join(SYSTEMS) + " (default: all; DeepSpeed rows are "
                    "skipped with a note when deepspeed is not importable)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per bandwidth (default: 4)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per bandwidth (default: 8)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before each bandwidth's timed steps")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
@@ -52,7 +52,8 @@ def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentPars
                    help="all ranks in this namespace over loopback: no root needed, no shaping, no wire counters")
     p.add_argument("--timeout", type=float, default=1200, help="seconds allowed per system, all bandwidths")
     p.add_argument("--out", default=os.path.join("bench", "results"), help="output folder (default: bench/results)")
-    p.add_argument("--stem", default="bench", help="output file names: STEM.json, STEM.md, STEM_*.png")
+    p.add_argument("--stem", default="cluster_bench",
+                   help="output file names: STEM.json, STEM.md, STEM_*.png (default: cluster_bench)")
     p.add_argument("--down", metavar="PREFIX", default=None,
                    help="only delete the namespaces PREFIX-* that a killed run left behind, and exit")
     return p
@@ -111,7 +112,7 @@ class SystemRun:
     def poll(self) -> None:
         k = self.next_go
         if k < len(self.phases) and os.path.exists(os.path.join(self.control, f"ready.{k}")):
-            self.cluster.shape(BANDWIDTHS[self.phases[k]])
+            self.cluster.shape(BANDWIDTHS.get(self.phases[k]))  # "loopback" (ledger-only): nothing to shape
             with open(os.path.join(self.control, f"go.{k}"), "w") as f:
                 f.write(self.phases[k])
             self.next_go += 1
@@ -173,6 +174,27 @@ def build_spec(args: argparse.Namespace, phases: list[str], control_dir: str, wi
                       "micro_batch": args.micro_batch, "bucket_elements": 5_000_000}}
 
 
+def snapshot_package(dest: str) -> str:
+    """Copy the ``zeropp`` package the driver imported into ``dest``; return a short hash of its sources.
+
+    Every system's ranks import this copy, so one run measures one version of the code even while the working
+    tree is being edited (a full run takes half an hour).
+    """
+    import hashlib
+
+    import zeropp
+
+    src = os.path.dirname(os.path.abspath(zeropp.__file__))
+    shutil.copytree(src, os.path.join(dest, "zeropp"), ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    digest = hashlib.sha256()
+    for root, dirs, files in sorted(os.walk(os.path.join(dest, "zeropp"))):
+        dirs.sort()
+        for name in sorted(files):
+            with open(os.path.join(root, name), "rb") as f:
+                digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:12]
+
+
 def _select(text: str, known: dict[str, Any], what: str) -> list[str]:
     chosen = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in chosen if s not in known]
@@ -181,11 +203,42 @@ def _select(text: str, known: dict[str, Any], what: str) -> list[str]:
     return chosen
 
 
+def run_system(cluster: Cluster, name: str, spec_path: str, work: str, env: dict[str, str], progress: Progress,
+               timeout_s: float) -> list[dict[str, Any]]:
+    """One system through every phase: its rows, plus an error row if its ranks failed or ran out of time."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    phases = spec["phases"]
+    control = os.path.join(spec["control_dir"], name)
+    os.makedirs(control, exist_ok=True)
+    log_dir = os.path.join(work, "logs", name)
+    driver = SystemRun(cluster, name, control, phases, progress)
+    cluster.shape(None)
+    ranks = cluster.launch([sys.executable, "-m", "zeropp.bench.worker", spec_path, name], log_dir, env=env)
+    error = None
+    try:
+        codes = cluster.wait(ranks, timeout_s, driver.poll)
+        if any(codes):
+            error = f"exit codes {codes}; {_error_summary(log_dir)}"
+    except ClusterError as err:
+        error = f"{err}; {_error_summary(log_dir)}"
+    driver.collect()
+    rows = list(driver.rows)
+    if error:
+        print(f"\nzeropp bench: {SYSTEMS[name][1]} failed: {error}\n{_log_tail(log_dir)}", flush=True)
+        rows.append({"system": name, "error": error})
+        progress.done += len(phases) - len(driver.rows)
+    return rows
+
+
 def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
+    """Every system at every bandwidth; writes the report files and returns ``{meta, rows, targets}``."""
     bandwidths = _select(args.bandwidths, BANDWIDTHS, "bandwidth")
     systems = _select(args.systems, SYSTEMS, "system")
     skipped: dict[str, str] = {}
     if any(SYSTEMS[s][0] == "deepspeed" for s in systems):
+        from zeropp.bench.systems import deepspeed_available
+
         ok, why = deepspeed_available()
         if not ok:
             skipped = {s: why + "; install the optional extra: DS_BUILD_OPS=0 pip install deepspeed==0.19.8"
@@ -199,13 +252,13 @@ def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
     else:
         mode = "ledger-only (loopback)"
         phases = ["loopback"]
-        BANDWIDTHS["loopback"] = None
         print(f"zeropp bench: {cluster.why_local}: running in ledger-only mode: all {cluster.world_size} ranks in "
               "this namespace over loopback, no link shaping, no wire counters; step times are not link-bound. "
               "Run as root for the simulated cluster.", flush=True)
     work = os.path.join(os.path.abspath(args.out), "tmp", cluster.prefix)
     spec = build_spec(args, phases, os.path.join(work, "control"), cluster.namespaces)
     os.makedirs(work, exist_ok=True)
+    code_hash = snapshot_package(os.path.join(work, "code"))
     spec_path = os.path.join(work, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -218,13 +271,16 @@ def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
         "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "bandwidths": phases, "systems": systems,
         "skipped": skipped, "model": spec["model"], "parameters": params, "micro_batch": args.micro_batch,
         "warmup": args.warmup, "steps": args.steps, "train": spec["train"], "load_start": _load(),
+        "code_sha256_12": code_hash,
     }
     rows: list[dict[str, Any]] = []
     progress = Progress(len(systems) * len(phases))
     env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.path.join(os.path.abspath(args.out), "tmp",
                                                                          "torch_extensions"),
-           "PYTHONUNBUFFERED": "1"}
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # so `finally` cleans up on kill
+           "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(work, "code"), os.environ.get("PYTHONPATH")]))}
+    # SIGTERM/SIGHUP raise, so that leaving `with cluster` deletes the namespaces and ends the ranks.
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         with cluster:
             if cluster.namespaces:
@@ -238,33 +294,19 @@ def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
                   f"{mode}; bandwidths {', '.join(phases)}; {args.warmup} warm-up + {args.steps} timed steps each; "
                   f"{len(systems)} systems. {meta['links']}.", flush=True)
             for name in systems:
-                control = os.path.join(spec["control_dir"], name)
-                os.makedirs(control, exist_ok=True)
-                log_dir = os.path.join(work, "logs", name)
-                driver = SystemRun(cluster, name, control, phases, progress)
-                cluster.shape(None)
-                ranks = cluster.launch([sys.executable, "-m", "zeropp.bench.worker", spec_path, name], log_dir,
-                                       env=env)
-                error = None
-                try:
-                    codes = cluster.wait(ranks, args.timeout, driver.poll)
-                    if any(codes):
-                        error = f"exit codes {codes}; {_error_summary(log_dir)}"
-                except ClusterError as err:
-                    error = f"{err}; {_error_summary(log_dir)}"
-                driver.collect()
-                rows += driver.rows
-                if error:
-                    print(f"\nzeropp bench: {SYSTEMS[name][1]} failed: {error}\n{_log_tail(log_dir)}", flush=True)
-                    rows.append({"system": name, "error": error})
-                    progress.done += len(phases) - len(driver.rows)
+                rows += run_system(cluster, name, spec_path, work, env, progress, args.timeout)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(os.path.join(work, "code"), ignore_errors=True)  # the logs stay when the run did not finish
     meta["load_end"] = _load()
     result = {"meta": meta, "rows": rows}
     result["targets"] = report.targets(rows, phases)
     paths = report.write(result, args.out, args.stem)
-    shutil.rmtree(work, ignore_errors=True)
+    if any("error" in r for r in rows):
+        print(f"zeropp bench: the failed systems' logs are in {os.path.join(work, 'logs')}", flush=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     print(report.markdown(result))
     print("wrote " + ", ".join(paths), flush=True)
     return result

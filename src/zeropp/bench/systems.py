@@ -4,13 +4,18 @@ Every system trains the same GPT from the same seed on the same batches with the
 weight decay on every parameter), gradient clipping at 1.0, bf16 compute and bf16 gradient communication:
 
 - ``ddp``: ``DistributedDataParallel`` (gloo), fp32 weights under ``torch.autocast(bf16)``, gradients
-  all-reduced in bf16 (``bf16_compress_hook``).
+  all-reduced in bf16 (torch's ``bf16_compress_hook`` minus its CUDA-only check).
 - ``fsdp2`` / ``fsdp2_hpz``: ``fully_shard`` per transformer block and on the root, ``MixedPrecisionPolicy(param_dtype
   =bf16, reduce_dtype=bf16)``; ``fsdp2_hpz`` passes ``reshard_after_forward=R`` (keeps a 1/R shard after forward
   and gathers backward inside groups of R consecutive ranks: FSDP2's analogue of hpZ).
 - ``ds_zero3`` / ``ds_zero3_hpz``: DeepSpeed ZeRO-3 (``DS_ACCELERATOR=cpu``, gloo), bf16, ``zero_hpz_partition_size=R``
-  for hpZ; ``stage3_max_reuse_distance: 0`` and ``stage3_param_persistence_threshold: 0`` so that it partitions
-  and re-gathers like the others on a small model. Its qwZ/qgZ need CUDA kernels and cannot run on CPU.
+  for hpZ; ``stage3_max_reuse_distance: 0``, ``stage3_param_persistence_threshold: 0`` and
+  ``stage3_prefetch_bucket_size: 0`` so that it releases parameters after forward and re-gathers them in backward
+  like the others. Measured with DeepSpeed 0.19.8 on this model: with any prefetch bucket > 0 (2e6, 5e6 tried)
+  every step after the first gathers the whole model in forward and 0 bytes in backward, i.e. it keeps all
+  parameters gathered from forward to backward (ZeRO-2-like memory and traffic). ``ds_zero3_prefetch`` runs it
+  that way (prefetch bucket = the reduce bucket) for reference. Its qwZ/qgZ need CUDA kernels and cannot run on
+  CPU.
 - ``zeropp_*``: ``zeropp.initialize`` with a DeepSpeed-style config dict.
 """
 from __future__ import annotations
@@ -23,32 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-#: name -> (family, label for tables)
-SYSTEMS: dict[str, tuple[str, str]] = {
-    "ddp": ("torch", "torch DDP"),
-    "fsdp2": ("torch", "FSDP2"),
-    "fsdp2_hpz": ("torch", "FSDP2 reshard_after_forward=R"),
-    "ds_zero3": ("deepspeed", "DeepSpeed ZeRO-3"),
-    "ds_zero3_hpz": ("deepspeed", "DeepSpeed ZeRO-3 + hpZ"),
-    "zeropp_zero3": ("zeropp", "zeropp ZeRO-3"),
-    "zeropp_qwz": ("zeropp", "zeropp + qwZ"),
-    "zeropp_hpz": ("zeropp", "zeropp + hpZ"),
-    "zeropp_qgz": ("zeropp", "zeropp + qgZ"),
-    "zeropp_all": ("zeropp", "zeropp ZeRO++ (qwZ+hpZ+qgZ)"),
-}
-#: Rows that cannot run here, with the reason shown in the table.
-NOT_RUNNABLE: dict[str, str] = {
-    "DeepSpeed ZeRO++ qwZ / qgZ": "not run: DeepSpeed's quantizer kernels are CUDA-only "
-                                  "(\"This op had not been implemented on CPU backend.\")",
-}
-ZEROPP_SWITCHES = {
-    "zeropp_zero3": (False, False, False),
-    "zeropp_qwz": (True, False, False),
-    "zeropp_hpz": (False, True, False),
-    "zeropp_qgz": (False, False, True),
-    "zeropp_all": (True, True, True),
-}
-
+from zeropp.bench.catalog import SYSTEMS, ZEROPP_SWITCHES
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -230,12 +210,13 @@ def deepspeed_available() -> tuple[bool, str]:
 
 
 class DeepSpeedSystem(System):
-    def __init__(self, model: nn.Module, s: TrainSettings, hpz: bool) -> None:
+    def __init__(self, model: nn.Module, s: TrainSettings, hpz: bool, prefetch: bool = False) -> None:
         import deepspeed
 
-        self.name = "ds_zero3_hpz" if hpz else "ds_zero3"
+        self.name = "ds_zero3_hpz" if hpz else ("ds_zero3_prefetch" if prefetch else "ds_zero3")
         zero = {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0,
-                "reduce_bucket_size": s.bucket_elements, "stage3_prefetch_bucket_size": s.bucket_elements,
+                "reduce_bucket_size": s.bucket_elements,
+                "stage3_prefetch_bucket_size": s.bucket_elements if prefetch else 0,
                 "overlap_comm": True, "contiguous_gradients": True}
         if hpz:
             zero["zero_hpz_partition_size"] = s.ranks_per_node
@@ -340,6 +321,7 @@ def build(name: str, model: nn.Module, s: TrainSettings) -> System:
         "fsdp2_hpz": lambda: FSDP2System(model, s, hpz=True),
         "ds_zero3": lambda: DeepSpeedSystem(model, s, hpz=False),
         "ds_zero3_hpz": lambda: DeepSpeedSystem(model, s, hpz=True),
+        "ds_zero3_prefetch": lambda: DeepSpeedSystem(model, s, hpz=False, prefetch=True),
     }
     if name in ZEROPP_SWITCHES:
         return ZeroppSystem(model, s, name)

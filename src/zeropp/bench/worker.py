@@ -89,7 +89,9 @@ class Run:
             _write_json(os.path.join(control, f"ready.{k}"), {"phase": label})
         _wait_for(os.path.join(control, f"go.{k}"), spec["wait_timeout_s"])
         dist.barrier()
-        for _ in range(spec["warmup"]):
+        # The very first step pays one-time costs (optimizer state allocation, DeepSpeed's trace); it is extra,
+        # so that every phase's warm-up samples memory with the optimizer state present.
+        for _ in range(spec["warmup"] + (1 if k == 0 else 0)):
             self.train_step(sample_memory=True)
         dist.barrier()
         before = read_link_counters() if spec["wire_counters"] and self.local_rank == 0 else None
@@ -144,6 +146,9 @@ def main(argv: list[str]) -> int:
     spec_path, name = argv
     with open(spec_path) as f:
         spec = json.load(f)
+    import zeropp
+
+    print(f"zeropp imported from {os.path.dirname(zeropp.__file__)}", flush=True)
     torch.set_num_threads(1)  # several ranks share two cores
     systems.init_process_group(name)
     control = os.path.join(spec["control_dir"], name)
