@@ -153,6 +153,7 @@ def initialize(
         loss_scaler=scaler,
         delayed_update_after=_delayed_update_after(zero),
         offload_optimizer=offload,
+        gather_granularity=zero.gather_granularity,
     )
     trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
     named = dict(model.named_parameters())  # masters are named after the parameter they shard

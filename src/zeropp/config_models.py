@@ -212,6 +212,10 @@ class ZeroConfig(Section):
     zero_quantized_gradients_bits: DSInt = F(4, doc="zeropp extension: qgZ bits per gradient, 4 or 8.")
     quantization_block_size: DSInt = F(2048, doc="zeropp extension: elements per quantization block "
                                        "(even, >= 2).")
+    gather_granularity: Literal["block", "module"] = F(
+        "block", doc="Our extension, stage 3: \"block\" gathers each child of an nn.ModuleList (a transformer "
+        "layer) as one unit, like FSDP2's per-block fully_shard (fewer, larger collectives); \"module\" gathers "
+        "each module's own parameters separately (smallest peak of gathered weights).")
     zero_quantized_nontrainable_weights: bool = F(False, doc="Store frozen weights quantized. `true` is "
                                                   "not supported yet.", status=STATUS_PARTIAL)
     zeropp_loco_param: dict[str, Any] | None = F(None, doc="LoCo-ZeRO++ error feedback settings; any "

@@ -344,3 +344,32 @@ def test_unit_with_an_empty_parameter() -> None:
     assert empty.shape == (0, 3) and torch.equal(vec.detach(), orig["v"])
     unit.release()
     assert empty.shape == (0, 3) and vec.shape == (3,)
+
+
+class _Layered(nn.Module):
+    """A transformer-like stack: embedding tied to the head, blocks in a ModuleList, a final norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)) for _ in range(3))
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_block_granularity_lifts_each_layer_into_one_unit() -> None:
+    model = _Layered()
+    by_module = {u.module_name: [n for n, _ in u.params] for u in plan_units(model, "block")}
+    assert by_module == {
+        "": ["embed.weight"],  # tied: lowest common ancestor, outside any block
+        "blocks.0": ["blocks.0.0.weight", "blocks.0.0.bias", "blocks.0.1.weight", "blocks.0.1.bias"],
+        "blocks.1": ["blocks.1.0.weight", "blocks.1.0.bias", "blocks.1.1.weight", "blocks.1.1.bias"],
+        "blocks.2": ["blocks.2.0.weight", "blocks.2.0.bias", "blocks.2.1.weight", "blocks.2.1.bias"],
+        "norm": ["norm.weight", "norm.bias"],
+    }
+    per_module = [u.module_name for u in plan_units(model, "module")]
+    assert per_module == ["", "blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.1.1", "blocks.2.0", "blocks.2.1",
+                          "norm"]
+    with pytest.raises(ValueError, match="granularity"):
+        plan_units(model, "layer")

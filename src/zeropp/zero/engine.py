@@ -85,6 +85,7 @@ class TrainPolicy:
     loss_scaler: Optional[LossScaler] = None  # fp16 only
     delayed_update_after: Optional[int] = None  # DPU: optimizer steps before updates run in the background
     offload_optimizer: bool = False  # fp32 masters, optimizer state and gradient rows on the host
+    gather_granularity: str = "block"  # stage 3 units: one per block (ModuleList child) or per module
 
 
 class _BackgroundUpdate:
@@ -187,7 +188,7 @@ class ZeroEngine:
         shard_rank = self.topo.rank if self.plan.shards_optimizer else 0
         meta = MetaMaterializer(module, param_init_fn) if MetaMaterializer.needed(module) else None
         units = []
-        for i, plan in enumerate(plan_units(module)):
+        for i, plan in enumerate(plan_units(module, self.policy.gather_granularity)):
             if meta is not None:
                 plan = meta.realize(plan)
             # A delayed update writes the masters while the next forward gathers the shard: never alias them.
@@ -198,6 +199,7 @@ class ZeroEngine:
             if self.plan.shards_weights:
                 plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
                 plan.module.register_forward_hook(self._make_post_forward(unit))
+                self._guard_inner_modules(module, plan.module_name, unit)
             for slot_index, slot in enumerate(unit.slots):
                 if slot.param.requires_grad and self.plan.reduces_as_ready:
                     slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
@@ -207,6 +209,22 @@ class ZeroEngine:
             if trainable is not None:
                 trainable = {id(meta.replaced[pid]) if pid in meta.replaced else pid for pid in trainable}
         return units, trainable
+
+    def _guard_inner_modules(self, root: nn.Module, unit_name: str, unit: Unit) -> None:
+        """A unit lifted to a block is gathered by the block's forward; a module inside it that runs on its
+        own (outside that forward) would meet freed weights, so it raises naming both instead."""
+        held = {id(s.param) for s in unit.slots}
+        prefix = unit_name + "." if unit_name else ""
+        for name, mod in root.named_modules():
+            if not name.startswith(prefix) or name == unit_name:
+                continue
+            if any(id(p) in held for p in mod.parameters(recurse=False)):
+                def guard(module: nn.Module, args: Any, name: str = name) -> None:
+                    if unit.state is not UnitState.GATHERED:
+                        raise RuntimeError(
+                            f"module {name!r} ran outside the forward of {unit_name!r}, which gathers its "
+                            "weights; set zero_optimization.gather_granularity to \"module\" for this model")
+                mod.register_forward_pre_hook(guard)
 
     def _gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
