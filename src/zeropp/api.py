@@ -164,8 +164,9 @@ def initialize(
         tensors = [t for _, t in masters]
         if callable(optimizer):
             return optimizer(tensors)
-        return build_optimizer(cfg.optimizer, tensors, host_adam=offload,
-                               threads=1 if policy.delayed_update_after is not None else None)
+        # A delayed update runs beside the next forward/backward: leave it half the cores.
+        dpu_threads = max(1, torch.get_num_threads() // 2) if policy.delayed_update_after is not None else None
+        return build_optimizer(cfg.optimizer, tensors, host_adam=offload, threads=dpu_threads)
 
     engine = ZeroEngine(
         model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
