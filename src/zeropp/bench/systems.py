@@ -209,7 +209,22 @@ def deepspeed_available() -> tuple[bool, str]:
     return True, ""
 
 
-class DeepSpeedSystem(System):
+class EngineSystem(System):
+    """A system driven like DeepSpeed's engine: ``engine(x, y)``, ``engine.backward``, ``engine.step``."""
+
+    engine: Any
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.engine(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+
+class DeepSpeedSystem(EngineSystem):
     def __init__(self, model: nn.Module, s: TrainSettings, hpz: bool, prefetch: bool = False) -> None:
         import deepspeed
 
@@ -225,15 +240,6 @@ class DeepSpeedSystem(System):
                   "steps_per_print": 10**9, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True}
         self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=s.adamw(model.parameters()),
                                                            config=config)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.engine(x, y)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
-
-    def step(self) -> None:
-        self.engine.step()
 
     def state_bytes(self) -> dict[str, int]:
         count = StorageCounter()
@@ -279,22 +285,13 @@ def zeropp_config(name: str, s: TrainSettings) -> dict[str, Any]:
     }
 
 
-class ZeroppSystem(System):
+class ZeroppSystem(EngineSystem):
     def __init__(self, model: nn.Module, s: TrainSettings, name: str) -> None:
         import zeropp
 
         self.name = name
         self.config = zeropp_config(name, s)
         self.engine, _, _, _ = zeropp.initialize(model=model, config=self.config)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.engine(x, y)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
-
-    def step(self) -> None:
-        self.engine.step()
 
     def state_bytes(self) -> dict[str, int]:
         return dict(self.engine.model_state_bytes())
