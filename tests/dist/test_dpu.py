@@ -11,7 +11,7 @@ import torch
 
 import zeropp
 from support.models import TiedNet, tied_batch
-from support.train import ADAMW, config, param_rel_error, train_steps
+from support.train import ADAMW, config, param_rel_error, train_reference, train_steps
 from support.world import run_world
 
 STEPS, WARMUP, GB = 8, 3, 8
@@ -78,16 +78,6 @@ def test_the_delay_is_real():
     """The delayed trajectory differs from the immediate one once the delay starts (else the test above
     could not tell them apart)."""
     ref = delayed_reference()
-    torch.manual_seed(0)
-    model = TiedNet()
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW["params"])
-    immediate = []
-    for step in range(STEPS):
-        idx, tgt = tied_batch(step, GB)
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        immediate.append(loss.item())
+    immediate = train_reference(STEPS, GB)["losses"]
     assert immediate[:WARMUP + 1] == pytest.approx(ref["losses"][:WARMUP + 1], rel=1e-6)
     assert abs(immediate[-1] - ref["losses"][-1]) / immediate[-1] > 1e-3

@@ -204,17 +204,7 @@ def test_state_dict_load_rebuilds_resident_weights(stage):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_users_torch_optimizer_keeps_its_class_groups_and_hyper_parameters(stage):
-    torch.manual_seed(0)
-    model = TiedNet()
-    opt = grouped_adamw(model)
-    want = []
-    for step in range(6):
-        idx, tgt = tied_batch(step, GB)
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want = train_reference(6, GB, make_optimizer=grouped_adamw)["losses"]
     for rank_result in results_for(2):
         run = rank_result[("user_opt", stage)]
         assert run["type"] == "AdamW"

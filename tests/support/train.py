@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,11 +71,15 @@ def train_engine(rank: int, world: int, cfg: dict, steps: int, global_batch: int
 
 
 def train_reference(steps: int, global_batch: int, autocast_bf16: bool = False, seed: int = 0,
-                    gas: int = 1, clip: float = 0.0) -> dict:
-    """The same model, optimizer and global batches in one process (optionally under bf16 autocast)."""
+                    gas: int = 1, clip: float = 0.0,
+                    make_optimizer: Optional[Callable[[torch.nn.Module], torch.optim.Optimizer]] = None) -> dict:
+    """The same model, optimizer and global batches in one process (optionally under bf16 autocast).
+
+    ``make_optimizer(model)`` replaces the default AdamW (``ADAMW``) when given.
+    """
     torch.manual_seed(seed)
     model = TiedNet()
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW["params"])
+    opt = make_optimizer(model) if make_optimizer else torch.optim.AdamW(model.parameters(), **ADAMW["params"])
     micro = global_batch // gas
     losses, norms = [], []
     for step in range(steps):
