@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from zeropp.checkpoint.format import Manifest, fsync_dir, read_manifest, resolve_tag_dir
+from zeropp.checkpoint.format import Manifest, atomic_replace, read_manifest, resolve_tag_dir
 from zeropp.checkpoint.reshard import read_ranges
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -67,33 +67,23 @@ def get_fp32_state_dict_from_zero_checkpoint(ckpt_dir: str, tag: Optional[str] =
 def write_state_dict(state: dict[str, torch.Tensor], out_path: str) -> str:
     """Write ``state`` atomically (temporary file, fsync, rename): safetensors or a torch file by extension."""
     out_path = os.path.abspath(out_path)
-    tmp = f"{out_path}.tmp-{os.getpid()}"
-    try:
-        if out_path.endswith(SAFETENSORS_SUFFIX):
-            try:
-                from safetensors.torch import save_file
-            except ImportError as err:
-                raise RuntimeError(f"writing {out_path} needs the 'safetensors' package (pip install safetensors);"
-                                   f" or choose a {'/'.join(TORCH_SUFFIXES)} file") from err
-            seen: set[int] = set()
-            plain = {}
-            for key, t in state.items():  # safetensors refuses shared storage: tied names get copies
-                plain[key] = t.contiguous() if id(t) not in seen else t.clone().contiguous()
-                seen.add(id(t))
-            save_file(plain, tmp, metadata={"format": "pt"})
-        elif out_path.endswith(TORCH_SUFFIXES):
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-        else:
-            raise ValueError(f"{out_path}: unknown extension; use {SAFETENSORS_SUFFIX} or one of "
-                             f"{', '.join(TORCH_SUFFIXES)}")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    fsync_dir(os.path.dirname(out_path))
+    if out_path.endswith(SAFETENSORS_SUFFIX):
+        try:
+            from safetensors.torch import save_file
+        except ImportError as err:
+            raise RuntimeError(f"writing {out_path} needs the 'safetensors' package (pip install safetensors);"
+                               f" or choose a {'/'.join(TORCH_SUFFIXES)} file") from err
+        seen: set[int] = set()
+        plain = {}
+        for key, t in state.items():  # safetensors refuses shared storage: tied names get copies
+            plain[key] = t.contiguous() if id(t) not in seen else t.clone().contiguous()
+            seen.add(id(t))
+        atomic_replace(out_path, lambda tmp: save_file(plain, tmp, metadata={"format": "pt"}))
+    elif out_path.endswith(TORCH_SUFFIXES):
+        atomic_replace(out_path, lambda tmp: torch.save(state, tmp))
+    else:
+        raise ValueError(f"{out_path}: unknown extension; use {SAFETENSORS_SUFFIX} or one of "
+                         f"{', '.join(TORCH_SUFFIXES)}")
     return out_path
 
 

@@ -71,16 +71,14 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, write: Callable[[BinaryIO], None], crash_point: Optional[str] = None,
-                 rank: int = 0) -> int:
-    """Write ``path`` through ``write(file)`` to a temporary name, fsync and rename; returns its size."""
+def atomic_replace(path: str, produce: Callable[[str], None]) -> int:
+    """``produce(tmp)`` writes a temporary file beside ``path``; it is fsync'd and renamed over ``path`` (and
+    the directory fsync'd), so ``path`` is either the old file or the whole new one. Returns its size."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as raw:
-            f = _KillMidWrite(raw) if crash_point and _crash_armed(crash_point, rank) else raw
-            write(f)  # type: ignore[arg-type]
-            raw.flush()
-            os.fsync(raw.fileno())
+        produce(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -88,6 +86,17 @@ def atomic_write(path: str, write: Callable[[BinaryIO], None], crash_point: Opti
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
     return os.path.getsize(path)
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None], crash_point: Optional[str] = None,
+                 rank: int = 0) -> int:
+    """:func:`atomic_replace` through ``write(file)``; ``crash_point`` arms the test-only mid-write kill."""
+    def produce(tmp: str) -> None:
+        with open(tmp, "wb") as raw:
+            f = _KillMidWrite(raw) if crash_point and _crash_armed(crash_point, rank) else raw
+            write(f)  # type: ignore[arg-type]
+
+    return atomic_replace(path, produce)
 
 
 def atomic_write_text(path: str, text: str) -> int:
