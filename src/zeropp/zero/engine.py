@@ -261,7 +261,7 @@ class ZeroEngine:
         def hook(param: nn.Parameter) -> None:
             grad, param.grad = param.grad, None
             self.buckets.add(unit, slot_index, grad)
-            left = self._grads_missing.get(unit, unit.needs_grad()) - 1
+            left = (self._grads_missing[unit] if unit in self._grads_missing else unit.needs_grad()) - 1
             self._grads_missing[unit] = left
             if left == 0 and self.plan.shards_weights:
                 self._release(unit, Pass.BACKWARD)
