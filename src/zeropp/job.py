@@ -177,6 +177,9 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
             print(f"wrote {args.out}")
+    # Tear down together: a rank that destroys its groups while rank 0 is still writing the report can
+    # abort inside gloo ("terminate called without an active exception"), failing the whole launch.
+    dist.barrier()
     dist.destroy_process_group()
     return result
 
