@@ -20,6 +20,7 @@ from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
 from zeropp.comm.reduce import AllReduceMean, AllToAllReduceScatter
 from zeropp.config import ZeroConfig, ZeroppConfig, load_config
+from zeropp.offload.residency import build_residency
 from zeropp.optim import build_optimizer, build_scheduler
 from zeropp.plus.hpz import HpzGather, SecondaryStore
 from zeropp.plus.qgz import QuantizedReduce
@@ -144,6 +145,7 @@ def initialize(
     comm = Comm(topo, ledger)
     compute_dtype, scaler = _precision(cfg)
     offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
+    offload_param = zero.offload_param is not None and zero.offload_param.device != "none"
     policy = TrainPolicy(
         compute_dtype=compute_dtype,
         gradient_accumulation_steps=batch.gradient_accumulation_steps,
@@ -153,6 +155,7 @@ def initialize(
         loss_scaler=scaler,
         delayed_update_after=_delayed_update_after(zero),
         offload_optimizer=offload,
+        offload_param=offload_param,
         gather_granularity=zero.gather_granularity,
     )
     trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
@@ -168,13 +171,20 @@ def initialize(
         dpu_threads = max(1, torch.get_num_threads() // 2) if policy.delayed_update_after is not None else None
         return build_optimizer(cfg.optimizer, tensors, host_adam=offload, threads=dpu_threads)
 
-    engine = ZeroEngine(
-        model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
-        make_scheduler=lr_scheduler or (lambda opt: build_scheduler(cfg.scheduler, opt)),
-        trainable=trainable,
-        config=cfg,
-        param_init_fn=param_init_fn,
-    )
+    # NVMe files are created and their space reserved now: a bad path fails before any work
+    residency = build_residency(zero, model, topo.world_size if zero.stage >= 1 else 1, compute_dtype, topo.rank)
+    try:
+        engine = ZeroEngine(
+            model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
+            make_scheduler=lr_scheduler or (lambda opt: build_scheduler(cfg.scheduler, opt)),
+            trainable=trainable,
+            config=cfg,
+            param_init_fn=param_init_fn,
+            residency=residency,
+        )
+    except BaseException:
+        residency.close()  # no offload file outlives a failed start
+        raise
     loader = None
     if training_data is not None:
         sampler = torch.utils.data.DistributedSampler(

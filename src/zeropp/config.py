@@ -207,10 +207,6 @@ class Unsupported:
 NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", lambda v: v is True,
                 "fp16 master weights (zeropp keeps fp32 masters); accepted: false"),
-    Unsupported("zero_optimization.offload_optimizer.device", lambda v: v == "nvme",
-                "optimizer state on NVMe; accepted: \"none\", \"cpu\""),
-    Unsupported("zero_optimization.offload_param.device", lambda v: v != "none",
-                "parameter offload; accepted: \"none\""),
     Unsupported("zero_optimization.reduce_scatter", lambda v: v is False,
                 "false asks for all-reduce gradient averaging; accepted: true"),
     Unsupported("zero_optimization.stage3_gather_16bit_weights_on_model_save", lambda v: v is True,
@@ -257,10 +253,35 @@ def _zeropp_below_stage3(cfg: ZeroppConfig) -> list[str]:
             f"accepted below stage 3: false (1 for zero_hpz_partition_size)" for k in on]
 
 
+def _offload_conflicts(cfg: ZeroppConfig) -> list[str]:
+    """Offload settings that cannot work together (each line names the key to change)."""
+    zero = cfg.zero_optimization
+    opt, par = zero.offload_optimizer, zero.offload_param
+    out = []
+    for key, section in (("offload_optimizer", opt), ("offload_param", par)):
+        if section is not None and section.device == "nvme" and not section.nvme_path:
+            out.append(f"zero_optimization.{key}.nvme_path: required when device is \"nvme\"")
+    if par is not None and par.device != "none":
+        if zero.stage != 3:
+            out.append(f"zero_optimization.offload_param.device: needs zero_optimization.stage 3 (got stage "
+                       f"{zero.stage}); accepted below stage 3: \"none\"")
+        if zero.zero_hpz_partition_size > 1:
+            out.append("zero_optimization.zero_hpz_partition_size: not supported with offload_param (the "
+                       "secondary copy would stay in memory); accepted: 1")
+    if opt is not None and opt.device == "nvme":
+        if zero.stage == 0:
+            out.append("zero_optimization.offload_optimizer.device: \"nvme\" needs zero_optimization.stage "
+                       "1, 2 or 3 (got stage 0)")
+        if opt.delayed_update:
+            out.append("zero_optimization.offload_optimizer.delayed_update: not supported with device "
+                       "\"nvme\"; accepted: false")
+    return out
+
+
 def check_supported(cfg: ZeroppConfig, source: str | None = None) -> None:
     """Raise one `NotSupportedError` listing every `NOT_SUPPORTED` rule that `cfg` hits."""
     hits = [line for rule in NOT_SUPPORTED if (line := rule.check(cfg)) is not None]
-    hits += _zeropp_below_stage3(cfg)
+    hits += _zeropp_below_stage3(cfg) + _offload_conflicts(cfg)
     if hits:
         raise NotSupportedError(hits, source)
 

@@ -131,38 +131,51 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
 class OffloadOptimizerConfig(Section):
-    """`zero_optimization.offload_optimizer`: ZeRO-Offload (optimizer on the host) and its delayed update."""
+    """`zero_optimization.offload_optimizer`: ZeRO-Offload (optimizer on the host), its delayed update, and
+    ZeRO-Infinity's optimizer state on NVMe."""
 
     device: OffloadDevice = F("none", doc="Where fp32 masters, optimizer state and the step live: \"cpu\" "
                               "runs Adam/AdamW as zeropp's CpuAdam on host-resident masters (on this CPU build "
-                              "host and device are the same memory); \"nvme\" is not supported yet.",
-                              status=STATUS_PARTIAL)
-    nvme_path: str | None = F(None, doc="NVMe directory for device \"nvme\" (inert).", status=STATUS_INERT)
-    pin_memory: bool = F(False, doc="Use page-locked CPU buffers (inert).", status=STATUS_INERT)
-    buffer_count: DSInt = F(4, ge=0, doc="NVMe buffer pool size (inert).", status=STATUS_INERT)
-    pipeline_read: bool = F(False, doc="Overlap NVMe reads with compute (inert).", status=STATUS_INERT)
-    pipeline_write: bool = F(False, doc="Overlap NVMe writes with compute (inert).", status=STATUS_INERT)
+                              "host and device are the same memory); \"nvme\" also keeps masters, gradient "
+                              "rows and optimizer state in a per-rank file under `nvme_path`, in memory only "
+                              "while their unit is stepped (stages 1-3).")
+    nvme_path: str | None = F(None, doc="Directory for the per-rank offload file (required with device "
+                              "\"nvme\"; created if missing; space reserved at start-up).")
+    pin_memory: bool = F(False, doc="Use page-locked CPU buffers (inert: this CPU build has no device "
+                         "copies to speed up).", status=STATUS_INERT)
+    buffer_count: DSInt = F(4, ge=1, doc="With device \"nvme\": how many units' optimizer records (master, "
+                            "gradient row, Adam moments) may be in memory at once; 2 or more lets the next "
+                            "unit's record be read while one is stepped.")
+    pipeline_read: bool = F(False, doc="Overlap NVMe reads with compute (inert: reads are always "
+                            "prefetched one unit ahead).", status=STATUS_INERT)
+    pipeline_write: bool = F(False, doc="Overlap NVMe writes with compute (inert: writes are always "
+                             "asynchronous).", status=STATUS_INERT)
     fast_init: bool = F(False, doc="Fast optimizer init with NVMe (inert).", status=STATUS_INERT)
     ratio: Number = F(1.0, ge=0, le=1, doc="Fraction of optimizer state offloaded (inert).",
                       status=STATUS_INERT)
     delayed_update: bool = F(False, doc="Our extension: ZeRO-Offload's delayed parameter update (DPU). After "
                              "`delayed_update_warmup_steps` optimizer steps, each step's update runs in the "
                              "background while the next forward/backward uses the weights from one step "
-                             "earlier.")
+                             "earlier. Not with device \"nvme\".")
     delayed_update_warmup_steps: DSInt = F(10, ge=0, doc="Our extension: optimizer steps applied at once before "
                                            "DPU starts (the ZeRO-Offload paper warms up without delay).")
 
 
 class OffloadParamConfig(Section):
-    """`zero_optimization.offload_param`: move partitioned parameters to CPU or NVMe (not supported yet)."""
+    """`zero_optimization.offload_param`: ZeRO-Infinity's parameter offload (stage 3): the 16-bit shards on
+    the host or in a per-rank NVMe file, brought in just before their gather."""
 
-    device: OffloadDevice = F("none", doc="Where parameters live; only \"none\" is supported yet.",
-                              status=STATUS_PARTIAL)
-    nvme_path: str | None = F(None, doc="NVMe directory for device \"nvme\" (inert).", status=STATUS_INERT)
-    pin_memory: bool = F(False, doc="Use page-locked CPU buffers (inert).", status=STATUS_INERT)
-    buffer_count: DSInt = F(5, ge=0, doc="NVMe buffer pool size (inert).", status=STATUS_INERT)
-    buffer_size: DSInt = F(100_000_000, ge=0, doc="NVMe buffer size in elements (inert).",
-                           status=STATUS_INERT)
+    device: OffloadDevice = F("none", doc="Where the 16-bit parameter shards live between gathers: \"cpu\" "
+                              "(host memory), \"nvme\" (a per-rank file under `nvme_path`, read ahead in "
+                              "the recorded execution order). Stage 3 only; not with hpZ.")
+    nvme_path: str | None = F(None, doc="Directory for the per-rank parameter file (required with device "
+                              "\"nvme\").")
+    pin_memory: bool = F(False, doc="Use page-locked CPU buffers (inert on this CPU build).",
+                         status=STATUS_INERT)
+    buffer_count: DSInt = F(5, ge=1, doc="With device \"nvme\": how many shards may be in memory at once "
+                            "(the unit being gathered, the prefetched gather, the shard read ahead).")
+    buffer_size: DSInt = F(100_000_000, ge=1, doc="With device \"nvme\": elements per buffer; every unit's "
+                           "shard on a rank must fit in one (checked at start-up).")
     max_in_cpu: DSInt = F(1_000_000_000, ge=0, doc="Elements kept in CPU memory with NVMe (inert).",
                           status=STATUS_INERT)
 
@@ -220,10 +233,8 @@ class ZeroConfig(Section):
                                                   "not supported yet.", status=STATUS_PARTIAL)
     zeropp_loco_param: dict[str, Any] | None = F(None, doc="LoCo-ZeRO++ error feedback settings; any "
                                                  "value is not supported yet.", status=STATUS_PARTIAL)
-    offload_optimizer: OffloadOptimizerConfig | None = F(None, doc="Optimizer offload (see its section).",
-                                                         status=STATUS_PARTIAL)
-    offload_param: OffloadParamConfig | None = F(None, doc="Parameter offload (see its section).",
-                                                 status=STATUS_PARTIAL)
+    offload_optimizer: OffloadOptimizerConfig | None = F(None, doc="Optimizer offload (see its section).")
+    offload_param: OffloadParamConfig | None = F(None, doc="Parameter offload (see its section).")
 
     @field_validator("stage")
     @classmethod

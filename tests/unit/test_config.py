@@ -263,8 +263,6 @@ def test_bf16_and_fp16_together_is_a_plain_config_error() -> None:
 @pytest.mark.parametrize("raw, path", [
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, **stage3()},
      "fp16.fp16_master_weights_and_grads"),
-    (stage3(offload_optimizer={"device": "nvme", "nvme_path": "/x"}), "zero_optimization.offload_optimizer.device"),
-    (stage3(offload_param={"device": "nvme", "nvme_path": "/x"}), "zero_optimization.offload_param.device"),
     (stage3(reduce_scatter=False), "zero_optimization.reduce_scatter"),
     (stage3(stage3_gather_16bit_weights_on_model_save=True),
      "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
@@ -291,6 +289,39 @@ def test_not_supported_lists_every_hit() -> None:
                     "zero_optimization": {"stage": 2, "reduce_scatter": False, "zero_quantized_weights": True}})
     assert isinstance(err, NotSupportedError) and len(err.problems) == 3
     assert "zero_optimization.zero_quantized_weights: needs zero_optimization.stage 3 (got stage 2)" in str(err)
+
+
+def test_nvme_offload_loads_with_its_settings() -> None:
+    cfg = load_config(stage3(offload_optimizer={"device": "nvme", "nvme_path": "/x", "buffer_count": 2},
+                             offload_param={"device": "nvme", "nvme_path": "/y", "buffer_size": 1000}))
+    assert cfg.zero_optimization.offload_optimizer.buffer_count == 2
+    assert cfg.zero_optimization.offload_param.buffer_size == 1000
+    load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})
+
+
+@pytest.mark.parametrize("raw, line", [
+    (stage3(offload_optimizer={"device": "nvme"}),
+     "zero_optimization.offload_optimizer.nvme_path: required when device is \"nvme\""),
+    (stage3(offload_param={"device": "nvme"}),
+     "zero_optimization.offload_param.nvme_path: required when device is \"nvme\""),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     "zero_optimization.offload_param.device: needs zero_optimization.stage 3 (got stage 2)"),
+    (stage3(zero_hpz_partition_size=2, offload_param={"device": "nvme", "nvme_path": "/x"}),
+     "zero_optimization.zero_hpz_partition_size: not supported with offload_param"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
+     "zero_optimization.offload_optimizer.device: \"nvme\" needs zero_optimization.stage 1, 2 or 3"),
+    (stage3(offload_optimizer={"device": "nvme", "nvme_path": "/x", "delayed_update": True}),
+     "zero_optimization.offload_optimizer.delayed_update: not supported with device \"nvme\""),
+])
+def test_offload_settings_that_cannot_work_together_name_the_key(raw: dict, line: str) -> None:
+    err = error_of(raw)
+    assert isinstance(err, NotSupportedError)
+    assert line in str(err)
+
+
+def test_offload_buffer_count_must_be_positive() -> None:
+    msg = str(error_of(stage3(offload_param={"device": "nvme", "nvme_path": "/x", "buffer_count": 0})))
+    assert "zero_optimization.offload_param.buffer_count" in msg
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -1,7 +1,7 @@
 """``AioPool``: asynchronous file I/O for NVMe offload (ZeRO-Infinity), through a fixed pool of page-aligned
 buffers.
 
-One pool owns one file per rank under ``path_dir`` (``zeropp-<tag>-rank<r>-<pid>.bin``), created and, when a
+One pool owns one file per rank under ``path_dir`` (``zeropp-<tag>-rank<r>-<pid>-<n>.bin``), created and, when a
 capacity is given, preallocated with ``posix_fallocate`` at start-up, so that a full disk is a clear
 ``OffloadError`` then and not ``ENOSPC`` in the middle of a run. The file is removed by ``close()``, when the
 pool is garbage-collected, and at interpreter exit.
@@ -28,6 +28,7 @@ L3 helper: no process groups; ``rank`` only names the file (default ``$RANK`` or
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 import queue
@@ -40,6 +41,7 @@ import torch
 
 __all__ = ["AioHandle", "AioPool", "OffloadError", "aligned_empty"]
 
+_SERIAL = itertools.count()
 ALIGN = 4096  # O_DIRECT alignment of buffer addresses, file offsets and lengths (>= logical block size)
 
 
@@ -132,7 +134,8 @@ class AioPool:
         self.buffer_count = buffer_count
         self.capacity = None if capacity is None else _round_up(capacity)
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        self.path = os.path.join(self.path_dir, f"zeropp-{tag}-rank{rank}-{os.getpid()}.bin")
+        serial = next(_SERIAL)  # several pools (engines) in one process never share a file
+        self.path = os.path.join(self.path_dir, f"zeropp-{tag}-rank{rank}-{os.getpid()}-{serial}.bin")
         self._check_dir()
         self._fd_box: list[int | None] = [None]
         self.direct = self._open(direct)
@@ -152,6 +155,8 @@ class AioPool:
         self._lock = threading.Lock()
         self._pending: dict[str, AioHandle] = {}
         self._closed = False
+        self.bytes_written = 0  # queued by write_async / read_async since start-up (benchmarks read them)
+        self.bytes_read = 0
 
     # ------------------------------------------------------------------------------------------- start-up
     def _check_dir(self) -> None:
@@ -234,6 +239,7 @@ class AioPool:
         src = t.view(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         futures = [self._executor.submit(self._write_chunk, src, ext.offset, a, min(self.buffer_size, nbytes - a))
                    for a in range(0, nbytes, self.buffer_size)]
+        self.bytes_written += nbytes
         on_done = None if self.direct else (lambda: self._settle(ext))
         return self._track(name, AioHandle(futures, nbytes, keep=t, on_done=on_done))
 
@@ -248,6 +254,7 @@ class AioPool:
             raise KeyError(f"AioPool: nothing was written under {name!r}")
         if ext.nbytes != nbytes:
             raise ValueError(f"AioPool: {name!r} holds {ext.nbytes} bytes; out has {nbytes}")
+        self.bytes_read += nbytes
         dst = out.detach().view(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         futures = [self._executor.submit(self._read_chunk, dst, ext.offset, a, min(self.buffer_size, nbytes - a))
                    for a in range(0, nbytes, self.buffer_size)]

@@ -598,6 +598,11 @@ def _moment_buffers(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
+def moment_storage_bytes(numel: int) -> int:
+    """Bytes of storage one fp32 moment of a ``numel``-element CPU parameter occupies (see _moment_buffers)."""
+    return 4 * numel + (_PAGE if numel >= _STAGGER_MIN_ELEMS else 0)
+
+
 def _ptrs(tensors: list[torch.Tensor | None]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else 0 for t in tensors])
 

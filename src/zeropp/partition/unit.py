@@ -60,6 +60,7 @@ class Unit:
         alias_fp32_shard: bool = True,
         device: torch.device | None = None,
         host_masters: bool = False,
+        host_shard: bool = False,
     ) -> None:
         """Cut each parameter's chunk ``rank`` of ``world`` into the master row and free the full weights.
 
@@ -69,6 +70,8 @@ class Unit:
         Every row lives on ``device`` (default: the first parameter's device; the host for meta ones),
         except with ``host_masters`` (optimizer offload): the fp32 master and the gradient row live on the
         host, where the optimizer steps, and only the 16-bit shard and the full weights on the device.
+        ``host_shard`` (parameter offload): the kept 16-bit shard lives on the host too and is copied to the
+        device for each gather.
         """
         self.index = index
         self.module_name = module_name
@@ -92,8 +95,9 @@ class Unit:
             self.slots.append(ParamSlot(name, p, spec, full))
         self._shard: Optional[torch.Tensor] = None
         if keep_shard:
-            alias = compute_dtype == torch.float32 and alias_fp32_shard and self.state_device == self.device
-            self._shard = self.master if alias else self.master.to(self.device, compute_dtype, copy=True)
+            shard_device = torch.device("cpu") if host_shard else self.device
+            alias = compute_dtype == torch.float32 and alias_fp32_shard and self.state_device == shard_device
+            self._shard = self.master if alias else self.master.to(shard_device, compute_dtype, copy=True)
         # Fixed views: the optimizer keys its state by tensor identity, so they are made once.
         self._master_views = self._split(self.master)
         self.grad: Optional[torch.Tensor] = None  # allocated at first use: see grad_row()
@@ -111,7 +115,7 @@ class Unit:
     def shard_row(self) -> torch.Tensor:
         """This rank's row in the compute dtype: what a gather sends (derived from the master if not kept)."""
         if self._shard is not None:
-            return self._shard
+            return self._shard.to(self.device)  # the shard itself unless it is kept on the host
         return self.master.to(self.device, self.compute_dtype)  # the master itself when nothing changes
 
     @property

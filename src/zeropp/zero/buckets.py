@@ -7,24 +7,28 @@ shard of those parameters. One bucket's reduction stays in flight while backward
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+from itertools import groupby
 
 import torch
 
 from zeropp.comm.strategy import PendingReduce, ReduceStrategy
+from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
     unit: Unit
     slot: int
-    grad: torch.Tensor  # the full gradient of the parameter (compute dtype)
+    grad: Optional[torch.Tensor]  # the full gradient of the parameter (compute dtype); dropped once bucketed
 
 
 @dataclass
 class _InFlight:
     pending: PendingReduce
     entries: list[_Entry]
+    bucket: torch.Tensor
 
 
 @dataclass
@@ -34,6 +38,7 @@ class GradBuckets:
     reduce: ReduceStrategy
     world: int
     capacity: int
+    residency: Resident = field(default_factory=Resident)  # NVMe: a unit's gradient row is read back to add
     _ready: list[_Entry] = field(default_factory=list)
     _size: int = 0
     _inflight: list[_InFlight] = field(default_factory=list)
@@ -52,6 +57,7 @@ class GradBuckets:
         cols, segments = [], []
         for e in entries:
             spec = e.unit.slots[e.slot].spec
+            assert e.grad is not None
             flat = e.grad.reshape(-1)
             if spec.padded != spec.numel:
                 flat = torch.nn.functional.pad(flat, (0, spec.padded - spec.numel))
@@ -59,9 +65,11 @@ class GradBuckets:
             segments.append(spec.chunk)
         bucket = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0].contiguous()
         pending = self.reduce.start(bucket, segments)
+        for e in entries:
+            e.grad = None  # the bucket holds them now
         while self._inflight:
             self._complete(self._inflight.pop(0))
-        self._inflight.append(_InFlight(pending, entries))
+        self._inflight.append(_InFlight(pending, entries, bucket))
 
     def finish(self) -> None:
         """Reduce everything still pending and accumulate it into the owning gradient shards."""
@@ -69,12 +77,18 @@ class GradBuckets:
         while self._inflight:
             self._complete(self._inflight.pop(0))
 
-    @staticmethod
-    def _complete(job: _InFlight) -> None:
+    def _complete(self, job: _InFlight) -> None:
         row = job.pending.finish()
         off = 0
-        for e in job.entries:
-            c = e.unit.slots[e.slot].spec.chunk
-            shard = e.unit.grad_views()[e.slot]  # on the host under optimizer offload: copied out per bucket
-            shard.add_(row[off : off + c].to(shard.device, shard.dtype))
-            off += c
+        for unit, entries in groupby(job.entries, key=lambda e: e.unit):  # one row in memory at a time
+            with self.residency.grads(unit):
+                views = unit.grad_views()  # on the host under optimizer offload: copied out per bucket
+                for e in entries:
+                    c = unit.slots[e.slot].spec.chunk
+                    views[e.slot].add_(row[off : off + c].to(views[e.slot].device, views[e.slot].dtype))
+                    off += c
+
+    def held_bytes(self) -> int:
+        """Bytes of full gradients waiting in buckets (ready, or in a reduction still in flight)."""
+        ready = sum(e.grad.numel() * e.grad.element_size() for e in self._ready if e.grad is not None)
+        return ready + sum(job.bucket.numel() * job.bucket.element_size() for job in self._inflight)

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather, ReduceStrategy
+from zeropp.offload.residency import Resident
 from zeropp.partition.assign import plan_units
 from zeropp.partition.meta import MetaMaterializer
 from zeropp.partition.unit import Unit, UnitState
@@ -85,6 +86,7 @@ class TrainPolicy:
     loss_scaler: Optional[LossScaler] = None  # fp16 only
     delayed_update_after: Optional[int] = None  # DPU: optimizer steps before updates run in the background
     offload_optimizer: bool = False  # fp32 masters, optimizer state and gradient rows on the host
+    offload_param: bool = False  # stage 3's 16-bit shards on the host (or on NVMe through the residency)
     gather_granularity: str = "block"  # stage 3 units: one per block (ModuleList child) or per module
 
 
@@ -134,8 +136,10 @@ class ZeroEngine:
         trainable: Optional[set[int]] = None,
         config: Any = None,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        residency: Optional[Resident] = None,
     ) -> None:
         self.module = module
+        self.residency = residency or Resident()  # where model states wait between uses (NVMe or memory)
         self.config = config  # the validated config it was built from (recorded in checkpoint manifests)
         self.topo = topo
         self.ledger = ledger
@@ -147,7 +151,7 @@ class ZeroEngine:
         self._cast_buffers(policy.compute_dtype)
         self.shard_world = topo.world_size if self.plan.shards_optimizer else 1
         self.units, trainable = self._build_units(module, param_init_fn, trainable)
-        self.buckets = GradBuckets(strategies.reduce, self.shard_world, policy.reduce_bucket_size)
+        self.buckets = GradBuckets(strategies.reduce, self.shard_world, policy.reduce_bucket_size, self.residency)
         if not self.plan.shards_weights:
             self._gather_resident(Phase.OTHER)
         masters = [
@@ -157,6 +161,7 @@ class ZeroEngine:
             if slot.param.requires_grad and (trainable is None or id(slot.param) in trainable)
         ]
         self.optimizer = make_optimizer(masters)
+        self.residency.attach(self.optimizer)
         self.lr_scheduler = make_scheduler(self.optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
@@ -191,11 +196,16 @@ class ZeroEngine:
         for i, plan in enumerate(plan_units(module, self.policy.gather_granularity)):
             if meta is not None:
                 plan = meta.realize(plan)
-            # A delayed update writes the masters while the next forward gathers the shard: never alias them.
+            # A delayed update writes the masters while the next forward gathers the shard, and NVMe moves
+            # shards and masters separately: never alias them then. Masters on NVMe: keep a 16-bit shard to
+            # rebuild resident weights from (stages 1-2).
+            swaps = self.residency.swaps_shards or self.residency.swaps_states
             unit = Unit(i, plan.module_name, plan.params, self.shard_world, shard_rank,
-                        self.policy.compute_dtype, keep_shard=self.plan.shards_weights,
-                        alias_fp32_shard=self.policy.delayed_update_after is None,
-                        host_masters=self.policy.offload_optimizer)
+                        self.policy.compute_dtype,
+                        keep_shard=self.plan.shards_weights or self.residency.swaps_states,
+                        alias_fp32_shard=self.policy.delayed_update_after is None and not swaps,
+                        host_masters=self.policy.offload_optimizer, host_shard=self.policy.offload_param)
+            self.residency.adopt(unit)
             if self.plan.shards_weights:
                 plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
                 plan.module.register_forward_hook(self._make_post_forward(unit))
@@ -231,6 +241,13 @@ class ZeroEngine:
         for unit in self.units:
             rows, layout = self.strategies.forward_gather.start(unit, phase).finish()
             unit.materialize(rows, layout)
+
+    def _start_gather(self, unit: Unit, which: Pass, optional: bool = False) -> Optional[PendingGather]:
+        """Start gathering ``unit`` once its shard is readable; None when ``optional`` and the shard could not
+        be brought in (NVMe buffers busy: the prefetch is skipped)."""
+        if not self.residency.shard_in(unit, optional=optional):
+            return None
+        return self._strategy(which).start(unit, _LEDGER_PHASE[which])
 
     # ---- hooks -------------------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit) -> Callable:
@@ -276,11 +293,11 @@ class ZeroEngine:
             return
         order = self._order[which]
         order.append(unit)
-        pending = self._inflight.pop(unit, None)
-        if pending is None:
-            pending = self._strategy(which).start(unit, _LEDGER_PHASE[which])
+        pending = self._inflight.pop(unit, None) or self._start_gather(unit, which)
+        assert pending is not None
         self._prefetch(which, len(order) - 1)
         rows, layout = pending.finish()
+        self.residency.shard_done(unit)
         unit.materialize(rows, layout)
 
     def _prefetch(self, which: Pass, position: int) -> None:
@@ -290,7 +307,11 @@ class ZeroEngine:
             return
         nxt = last[position + 1]
         if nxt.state is UnitState.SHARDED and nxt not in self._inflight:
-            self._inflight[nxt] = self._strategy(which).start(nxt, _LEDGER_PHASE[which])
+            pending = self._start_gather(nxt, which, optional=True)
+            if pending is not None:
+                self._inflight[nxt] = pending
+        if position + 2 < len(last):  # NVMe: read the shard after that one while these gathers run
+            self.residency.prefetch_shard(last[position + 2])
 
     def _release(self, unit: Unit, which: Pass) -> None:
         if unit.state is UnitState.GATHERED:
@@ -301,7 +322,11 @@ class ZeroEngine:
         """Complete and drop prefetches that were not used (the model took another path this time)."""
         for unit, pending in list(self._inflight.items()):
             pending.finish()
+            self.residency.shard_done(unit)
         self._inflight.clear()
+        for unit in self.units:  # shards read ahead for a path the model did not take this time
+            if unit.state is UnitState.SHARDED:
+                self.residency.shard_done(unit)
         self._last_order[which], self._order[which] = self._order[which], []
 
     # ---- public training API -----------------------------------------------------------------------------
@@ -381,9 +406,6 @@ class ZeroEngine:
         if delayed:
             self.join_update()  # the previous step's update becomes the next forward's weights
         self._optimizer_step(background=delayed)
-        if not self.plan.shards_weights:
-            for unit in self.units:
-                unit.drop_grad()
         self.global_steps += 1
         self.ledger.close_step()
 
@@ -393,17 +415,29 @@ class ZeroEngine:
         ``background`` (delayed parameter update): the update runs on a thread and is published by the
         next :meth:`join_update`; the norm's collective stays on this thread, so every rank issues its
         collectives in the same order whatever the thread's timing.
+
+        Two passes over the gradient rows (the norm, then the update), each through the residency: with
+        NVMe, a unit's row, master and optimizer state are in memory only while that unit is processed.
         """
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        # fp32 copies for the optimizer (.float() of an fp32 row is the row itself, which is zeroed below
-        # while a background update may still read its gradients: copy then)
-        grads = [u.grad_row().to(torch.float32, copy=background) for u in self.units]
-        if scale != 1.0:
-            for g in grads:
-                g.mul_(1.0 / scale)
+        cache: dict[Unit, torch.Tensor] = {}
+
+        def fp32_grad(u: Unit) -> torch.Tensor:
+            # .float() of an fp32 row is the row itself, which is zeroed below while a background update may
+            # still read its gradients: copy then. Rows that leave memory are recomputed, identically.
+            g = cache.get(u)
+            if g is None:
+                g = u.grad_row().to(torch.float32, copy=background)
+                if scale != 1.0:
+                    g.mul_(1.0 / scale)
+                if not self.residency.swaps_states:
+                    cache[u] = g
+            return g
+
         sq = torch.zeros(1, dtype=torch.float64, device=self.units[0].device if self.units else None)
-        for g in grads:  # squared norms summed in fp64, without an fp64 copy of the gradients
-            sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        for group in self.residency.grad_pass(self.units):  # squared norms summed in fp64, no fp64 copies
+            for u in group:
+                sq += torch.linalg.vector_norm(fp32_grad(u), dtype=torch.float64).square()
         if self.shard_world > 1:  # stage 0 holds whole gradients, identical on every rank
             self.comm.all_reduce(sq, self.topo.world, Phase.OTHER)
         norm = math.sqrt(sq.item())
@@ -415,20 +449,35 @@ class ZeroEngine:
             self._report_non_finite()
         if not self._skipped:
             clip = self.policy.gradient_clipping
-            if clip > 0 and norm > clip:
-                coef = clip / (norm + 1e-6)
-                for g in grads:
-                    g.mul_(coef)
-            for u, g in zip(self.units, grads):
-                for view, o, c in zip(u.master_views(), u.row.offsets, u.row.chunks):
-                    view.grad = g[o : o + c]
+            coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
             if background:
+                self._set_master_grads(self.units, fp32_grad, coef)
                 self._update = _BackgroundUpdate(self._apply_update)
             else:
-                self._apply_update()
-                self._publish_masters(Phase.FORWARD_GATHER)  # the next forward's weights
-        for u in self.units:
-            u.grad_row().zero_()  # the optimizer holds its own fp32 copies
+                for group in self.residency.optimizer_pass(self.units):
+                    self._set_master_grads(group, fp32_grad, coef)
+                    self.optimizer.step()
+                    for u in group:
+                        for view in u.master_views():
+                            view.grad = None
+                        u.refresh_shard_from_master()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+                if not self.plan.shards_weights:
+                    self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
+        # the optimizer held its own fp32 copies; stages 0-2 hold no rows between steps
+        self.residency.clear_grads(self.units, keep_rows=self.plan.shards_weights)
+
+    @staticmethod
+    def _set_master_grads(units: list[Unit], fp32_grad: Callable[[Unit], torch.Tensor],
+                          coef: Optional[float]) -> None:
+        """Point each master view's ``.grad`` at its slice of the unit's fp32 gradient (clipped by ``coef``)."""
+        for u in units:
+            g = fp32_grad(u)
+            if coef is not None:
+                g.mul_(coef)
+            for view, o, c in zip(u.master_views(), u.row.offsets, u.row.chunks):
+                view.grad = g[o : o + c]
 
     def _note_overflow(self, overflow: bool) -> None:
         """fp16: an overflow is the normal signal to lower the loss scale, not an error."""
@@ -457,7 +506,8 @@ class ZeroEngine:
         """Make the masters the weights: recast the 16-bit shards, bump versions (stale hpZ slices), and in
         stages 0-2 rebuild the resident full weights. Collective for stages 0-2."""
         for u in self.units:
-            u.refresh_shard_from_master()
+            with self.residency.resident([u]):
+                u.refresh_shard_from_master()
         if not self.plan.shards_weights:
             self._gather_resident(phase)
 
@@ -474,10 +524,10 @@ class ZeroEngine:
         self._publish_masters(Phase.FORWARD_GATHER)
 
     def _report_non_finite(self) -> None:
-        bad = [
-            f"{s.name}" for u in self.units for s, g in zip(u.slots, u.grad_views())
-            if not torch.isfinite(g).all()
-        ]
+        bad = []
+        for u in self.units:
+            with self.residency.resident([u], dirty=False):
+                bad += [s.name for s, g in zip(u.slots, u.grad_views()) if not torch.isfinite(g).all()]
         where = f"non-finite gradient shard on rank {self.topo.rank} in: {', '.join(bad)}" if bad else (
             "non-finite gradient on another rank")
         warnings.warn(f"step {self.global_steps} skipped: global gradient norm is not finite ({where})",
@@ -508,7 +558,8 @@ class ZeroEngine:
         world = self.topo.world
         for u in self.units:
             rows = torch.empty(world.size, u.row.numel, dtype=torch.float32, device=u.device)
-            self.comm.all_gather(rows, u.master.to(u.device), world, Phase.OTHER)
+            with self.residency.resident([u], dirty=False):
+                self.comm.all_gather(rows, u.master.to(u.device), world, Phase.OTHER)
             for slot, off, c in zip(u.slots, u.row.offsets, u.row.chunks):
                 flat = rows[:, off : off + c].reshape(-1)[: slot.spec.numel]
                 full[id(slot.param)] = flat.view(slot.spec.shape).clone()
@@ -541,10 +592,11 @@ class ZeroEngine:
                 sources[id(slot.param)] = src
         with torch.no_grad():
             for u in self.units:
-                for slot, view in zip(u.slots, u.master_views()):
-                    start, stop = slot.spec.owned(u.rank)  # u.rank: 0 in stage 0's group of one
-                    view.zero_()
-                    view[: stop - start].copy_(sources[id(slot.param)][start:stop])
+                with self.residency.resident([u]):
+                    for slot, view in zip(u.slots, u.master_views()):
+                        start, stop = slot.spec.owned(u.rank)  # u.rank: 0 in stage 0's group of one
+                        view.zero_()
+                        view[: stop - start].copy_(sources[id(slot.param)][start:stop])
         self.masters_changed()
 
     def masters_changed(self) -> None:
@@ -559,8 +611,10 @@ class ZeroEngine:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the model-state tensors this rank holds, by kind, measured from the tensors.
 
-        ``gathered_params`` are full weights (resident in stages 0-2; 0 between steps in stage 3) and
-        ``full_grads`` whole gradients accumulating before the boundary (stages 0-1).
+        ``gathered_params`` are full weights (resident in stages 0-2; 0 between steps in stage 3),
+        ``full_grads`` whole gradients accumulating before the boundary (stages 0-1) and ``bucket_grads`` whole
+        gradients waiting in reduce buckets (during backward). Tensors offloaded to NVMe hold no memory and
+        count 0 here (see :meth:`offload_report`).
 
         Optimizer state counts the tensors shaped like a shard (Adam's moments, SGD's momentum); per
         parameter scalars such as Adam's step counter are bookkeeping, not model state, and are left out.
@@ -583,6 +637,7 @@ class ZeroEngine:
             "optimizer_state": 0,
             "gathered_params": sum(size(s.full) for u in self.units for s in u.slots),
             "full_grads": sum(size(s.param.grad) for u in self.units for s in u.slots),
+            "bucket_grads": self.buckets.held_bytes(),
         }
         for state in self.optimizer.state.values():
             for t in state.values():
@@ -592,6 +647,18 @@ class ZeroEngine:
         out["hpz_secondary"] = sum(size(t) for t in held)
         out["total"] = sum(out.values())
         return out
+
+    def offload_report(self) -> dict[str, Any]:
+        """NVMe offload: bytes held in the per-rank files, the swap buffers' budget and the most they held
+        in memory at once, and the files' paths (all 0 / empty without NVMe)."""
+        r = self.residency
+        return {"offloaded_bytes": r.offloaded_bytes(), "buffer_budget_bytes": r.budget(),
+                "buffer_peak_bytes": r.resident_peak(), "files": r.files()}
+
+    def close(self) -> None:
+        """Wait for a delayed update and delete the NVMe offload files (also done at interpreter exit)."""
+        self.join_update()
+        self.residency.close()
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     # Thin delegations to zeropp.checkpoint (format, atomicity and re-sharding live there); all collective.
@@ -604,7 +671,8 @@ class ZeroEngine:
         from zeropp.checkpoint import save_checkpoint
         self._check_checkpointable()
         self.join_update()
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        with self.residency.resident(self.units, dirty=False):  # NVMe: the rank's whole state, read back
+            return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str, Any]:
@@ -615,8 +683,9 @@ class ZeroEngine:
         from zeropp.checkpoint import load_checkpoint
         self._check_checkpointable()
         self.join_update()
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only)
+        with self.residency.resident(self.units):  # NVMe: in memory while loading, written back after
+            return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                   load_module_only)
 
     def _check_checkpointable(self) -> None:
         from zeropp.checkpoint import CheckpointError

@@ -1,0 +1,363 @@
+"""Where a unit's rank-local model states are while the engine is not using them (ZeRO-Infinity).
+
+The engine is handed one of two residencies and calls the same methods either way:
+
+* ``Resident``: everything stays in memory (on the device, or on the host under ZeRO-Offload to "cpu").
+  Every method is trivial.
+* ``NvmeResidency``: the 16-bit shards (``offload_param.device: "nvme"``) and/or the fp32 masters, reduced
+  gradient rows and optimizer state (``offload_optimizer.device: "nvme"``) live in per-rank files and are in
+  memory only around their use, each kind in a ``SwapStore`` whose budget is ``buffer_count`` buffers:
+
+  ================  ============================================  ==========================================
+  what              in memory                                      prefetched
+  ================  ============================================  ==========================================
+  16-bit shard      from just before its gather to the gather's    the unit after the one being prefetched,
+                    end (clean: nothing written back)              in the recorded execution order
+  gradient row      while a finished bucket adds into it           the next unit's, in the norm pass
+  master + state    while the optimizer steps its unit, then       the next unit's record
+                    written back
+  ================  ============================================  ==========================================
+
+  The optimizer steps one unit at a time (a sub-group, as DeepSpeed's ``sub_group_size`` tiles do): every
+  Adam-family update is elementwise per parameter, so the result is bit for bit the one-call step's.
+
+Files are per rank, reserved at start-up (a full disk or an unwritable path is an ``OffloadError`` naming the
+config key before the first step), and deleted by ``close()``, at garbage collection or at interpreter exit.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from zeropp.offload.aio import AioPool, OffloadError, _round_up
+from zeropp.offload.cpu_adam import moment_storage_bytes
+from zeropp.offload.swap import SwapStore
+from zeropp.partition.spec import ShardSpec
+from zeropp.partition.unit import Unit
+
+__all__ = ["NvmeResidency", "Resident", "Residency", "build_residency"]
+
+STAGING_BUFFERS, STAGING_BYTES = 4, 1 << 20  # AioPool's I/O staging: fixed, not model state
+ADAM_MOMENTS = 2  # fp32 tensors of optimizer state per element the optimizer budget is sized for
+
+
+class Resident:
+    """No NVMe: every model-state tensor stays where the unit put it."""
+
+    swaps_shards = False  # the 16-bit shards leave memory (so they are never the fp32 master itself)
+    swaps_states = False  # masters, gradient rows and optimizer state leave memory
+
+    def adopt(self, unit: Unit) -> None:
+        """A unit was just built."""
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer over the units' master views was just built."""
+
+    def shard_in(self, unit: Unit, optional: bool = False) -> bool:
+        """Make ``unit.shard_row()`` readable (waits for its read); False when ``optional`` and no buffer is
+        free (a prefetch that is skipped)."""
+        return True
+
+    def prefetch_shard(self, unit: Unit) -> None:
+        """Start reading a shard that will be gathered soon (if the budget has room)."""
+
+    def shard_done(self, unit: Unit) -> None:
+        """The gather that read the shard completed."""
+
+    @contextlib.contextmanager
+    def grads(self, unit: Unit) -> Iterator[None]:
+        """The gradient row is in memory (and accumulable) inside the block."""
+        yield
+
+    def grad_pass(self, units: list[Unit]) -> Iterator[list[Unit]]:
+        """Groups of units whose gradient rows are readable while the group is current."""
+        yield units
+
+    def optimizer_pass(self, units: list[Unit]) -> Iterator[list[Unit]]:
+        """Groups of units to step; inside one, masters, gradients, optimizer state and shards are in
+        memory; afterwards they are written back and the gradient rows are cleared."""
+        yield units
+
+    def clear_grads(self, units: list[Unit], keep_rows: bool) -> None:
+        """Gradient rows back to zero after the step (``keep_rows=False``: free them)."""
+        for u in units:
+            u.grad_row().zero_()
+            if not keep_rows:
+                u.drop_grad()
+
+    @contextlib.contextmanager
+    def resident(self, units: list[Unit], dirty: bool = True) -> Iterator[None]:
+        """Everything of ``units`` in memory inside the block (written back after, when ``dirty``)."""
+        yield
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of model state held in offload files."""
+        return 0
+
+    def resident_peak(self) -> int:
+        """The most bytes the swap stores held in memory at once since training began (0 without NVMe)."""
+        return 0
+
+    def budget(self) -> int:
+        """The most bytes the swap stores may hold in memory at once (0 without NVMe)."""
+        return 0
+
+    def files(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        """Delete the offload files."""
+
+
+Residency = Resident  # the interface
+
+
+class NvmeResidency(Resident):
+    """Shards (``params``) and/or masters, gradients and optimizer state (``states``) in offload files."""
+
+    def __init__(self, params: Optional[SwapStore], states: Optional[SwapStore], shard_buffer_bytes: int,
+                 states_buffer_count: int) -> None:
+        self.params, self.states = params, states
+        self.swaps_shards, self.swaps_states = params is not None, states is not None
+        self.shard_buffer_bytes = shard_buffer_bytes
+        self.states_buffer_count = states_buffer_count
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self._depth = 0  # nested resident() blocks are no-ops inside an outer one
+
+    # ---- set-up ------------------------------------------------------------------------------------------
+    def adopt(self, unit: Unit) -> None:
+        if self.params is not None:
+            shard = unit.kept_shard
+            assert shard is not None, "offloaded shards are never the master itself"
+            if shard.numel() * shard.element_size() > self.shard_buffer_bytes:
+                raise OffloadError(
+                    f"zero_optimization.offload_param.buffer_size: unit {unit.module_name or '<root>'!r} "
+                    f"holds {shard.numel():,} elements per rank, more than one buffer "
+                    f"({self.shard_buffer_bytes // shard.element_size():,}); raise buffer_size")
+            self.params.put(f"{unit.index}.shard", shard)
+        if self.states is not None:
+            record = self._record_bytes(unit)
+            self.states.budget = max(self.states.budget, self.states_buffer_count * record)
+            self.states.put(f"{unit.index}.master", unit.master)
+            self.states.put(f"{unit.index}.grad", unit.grad_row(), zeros=True)
+
+    @staticmethod
+    def _record_bytes(unit: Unit) -> int:
+        """Bytes of one unit's optimizer record: master, gradient row and Adam's two moments per parameter
+        (CpuAdam places a large moment in a buffer a page longer)."""
+        n = unit.row.numel
+        grad = n * torch.empty((), dtype=unit.compute_dtype).element_size()
+        return 4 * n + grad + ADAM_MOMENTS * sum(moment_storage_bytes(c) for c in unit.row.chunks)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        for store in self._stores():  # the budget holds from here on; start-up writes each unit as it is cut
+            store.flush()
+            store.reset_peak()
+
+    # ---- 16-bit shards -----------------------------------------------------------------------------------
+    def shard_in(self, unit: Unit, optional: bool = False) -> bool:
+        if self.params is None:
+            return True
+        name = f"{unit.index}.shard"
+        if not self.params.fetch(name, optional=optional):
+            return False
+        self.params.get(name)
+        return True
+
+    def prefetch_shard(self, unit: Unit) -> None:
+        if self.params is not None:
+            self.params.fetch(f"{unit.index}.shard", optional=True)
+
+    def shard_done(self, unit: Unit) -> None:
+        if self.params is not None:
+            self.params.release(f"{unit.index}.shard", dirty=False)
+
+    # ---- gradient rows -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def grads(self, unit: Unit) -> Iterator[None]:
+        if self.states is None or self._depth:
+            yield
+            return
+        self.states.get(f"{unit.index}.grad")
+        try:
+            yield
+        finally:
+            self.states.release(f"{unit.index}.grad", dirty=True)
+
+    def grad_pass(self, units: list[Unit]) -> Iterator[list[Unit]]:
+        if self.states is None or self._depth:
+            yield units
+            return
+        for i, u in enumerate(units):
+            self.states.get(f"{u.index}.grad")
+            if i + 1 < len(units):
+                self.states.fetch(f"{units[i + 1].index}.grad", optional=True)
+            yield [u]
+            self.states.release(f"{u.index}.grad", dirty=False)
+
+    def clear_grads(self, units: list[Unit], keep_rows: bool) -> None:
+        if self.states is None:
+            super().clear_grads(units, keep_rows)
+            return
+        for u in units:  # the rows stay allocated objects; their contents become zeros without any I/O
+            self.states.forget_contents(f"{u.index}.grad")
+
+    # ---- optimizer records -------------------------------------------------------------------------------
+    def _state_tensors(self, unit: Unit, own: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's per-element state of ``unit`` (Adam's moments; scalars such as ``step`` stay).
+
+        ``own``: first replace a tensor the store cannot swap (one a state-dict load left sharing a loaded
+        checkpoint's storage) by a private copy in the optimizer's state.
+        """
+        assert self.optimizer is not None
+        out = []
+        for slot, view in enumerate(unit.master_views()):
+            state = self.optimizer.state.get(view, {})
+            for key, t in list(state.items()):
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    if own and not SwapStore.can_take(t):
+                        t = state[key] = t.clone(memory_format=torch.contiguous_format)
+                    out.append((f"{unit.index}.{slot}.{key}", t))
+        return out
+
+    def _record_names(self, unit: Unit) -> list[str]:
+        names = [f"{unit.index}.master", f"{unit.index}.grad"]
+        return names + [n for n, _ in self._state_tensors(unit) if n in self.states]  # type: ignore[operator]
+
+    def _record_in(self, unit: Unit, read_shard: bool) -> None:
+        if self.states is not None:
+            for name in self._record_names(unit):
+                self.states.get(name)
+        if self.params is not None:  # a step recasts the shard from the master: nothing to read then
+            self.params.get(f"{unit.index}.shard", read=read_shard)
+
+    def _record_out(self, unit: Unit, dirty: bool, grad_zeros: bool = False) -> None:
+        if self.states is not None:
+            self.states.release(f"{unit.index}.master", dirty=dirty)
+            for name, t in self._state_tensors(unit, own=dirty):
+                if dirty:
+                    self.states.put(name, t)  # new tensors (a first step, a state-dict load) are taken over
+                else:
+                    self.states.release(name, dirty=False)
+            self.states.release(f"{unit.index}.grad", dirty=dirty, zeros=grad_zeros)
+        if self.params is not None:
+            self.params.release(f"{unit.index}.shard", dirty=dirty)
+
+    def optimizer_pass(self, units: list[Unit]) -> Iterator[list[Unit]]:
+        if self._depth:
+            yield units
+            return
+        for i, u in enumerate(units):
+            self._record_in(u, read_shard=False)
+            if self.states is not None:
+                self.states.reserve(self._missing_state_bytes(u))  # a first step creates the moments
+                if i + 1 < len(units):
+                    for name in self._record_names(units[i + 1]):
+                        self.states.fetch(name, optional=True)
+            yield [u]
+            self._record_out(u, dirty=True, grad_zeros=True)  # the step consumed the gradients
+            if self.states is not None:
+                self.states.unreserve()
+
+    def _missing_state_bytes(self, unit: Unit) -> int:
+        assert self.optimizer is not None
+        return ADAM_MOMENTS * sum(moment_storage_bytes(c) for view, c in zip(unit.master_views(), unit.row.chunks)
+                                  if not self.optimizer.state.get(view))
+
+    @contextlib.contextmanager
+    def resident(self, units: list[Unit], dirty: bool = True) -> Iterator[None]:
+        if self._depth:
+            yield
+            return
+        self._depth += 1
+        try:
+            with contextlib.ExitStack() as stack:
+                for store in (self.params, self.states):
+                    if store is not None:
+                        stack.enter_context(store.unbounded())
+                try:
+                    for u in units:
+                        self._record_in(u, read_shard=True)
+                    yield
+                finally:  # also after an error: memory is what the engine holds now
+                    for u in units:
+                        self._record_out(u, dirty)
+        finally:
+            self._depth -= 1
+
+    # ---- reports and clean-up ----------------------------------------------------------------------------
+    def _stores(self) -> list[SwapStore]:
+        return [s for s in (self.params, self.states) if s is not None]
+
+    def offloaded_bytes(self) -> int:
+        return sum(s.stored_bytes() for s in self._stores())
+
+    def resident_peak(self) -> int:
+        return sum(s.peak_bytes for s in self._stores())
+
+    def budget(self) -> int:
+        return sum(s.budget for s in self._stores())
+
+    def files(self) -> list[str]:
+        return [s.pool.path for s in self._stores()]
+
+    def close(self) -> None:
+        for s in self._stores():
+            try:
+                s.flush()
+            finally:
+                s.pool.close()
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for p in model.parameters():
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def build_residency(zero: object, model: nn.Module, world: int, compute_dtype: torch.dtype,
+                    rank: int) -> Resident:
+    """The residency ``zero_optimization`` asks for; NVMe files are created and reserved here.
+
+    Raises ``OffloadError`` naming the config key when a path cannot be written or lacks the space.
+    """
+    off_opt = getattr(zero, "offload_optimizer", None)
+    off_par = getattr(zero, "offload_param", None)
+    opt_nvme = off_opt is not None and off_opt.device == "nvme"
+    par_nvme = off_par is not None and off_par.device == "nvme"
+    if not (opt_nvme or par_nvme):
+        return Resident()
+    elem = torch.empty((), dtype=compute_dtype).element_size()
+    chunks = [ShardSpec(p.numel(), p.shape, world).chunk for p in _unique_params(model)]
+    params = states = None
+    shard_buffer = 0
+    if par_nvme:
+        capacity = sum(_round_up(c * elem) for c in chunks)
+        pool = _pool(off_par.nvme_path, "zero_optimization.offload_param.nvme_path", capacity, rank, "param")
+        shard_buffer = off_par.buffer_size * elem
+        params = SwapStore(pool, off_par.buffer_count * shard_buffer,
+                           "zero_optimization.offload_param.buffer_count or buffer_size")
+    if opt_nvme:
+        per_elem = (4, elem) + (4,) * ADAM_MOMENTS
+        capacity = sum(_round_up(c * b) for c in chunks for b in per_elem)
+        try:
+            pool = _pool(off_opt.nvme_path, "zero_optimization.offload_optimizer.nvme_path", capacity, rank,
+                         "optimizer")
+        except BaseException:
+            if params is not None:
+                params.pool.close()
+            raise
+        states = SwapStore(pool, 0, "zero_optimization.offload_optimizer.buffer_count")
+    return NvmeResidency(params, states, shard_buffer, off_opt.buffer_count if opt_nvme else 0)
+
+
+def _pool(path: str, key: str, capacity: int, rank: int, tag: str) -> AioPool:
+    try:
+        return AioPool(path, STAGING_BUFFERS, STAGING_BYTES, capacity=capacity, rank=rank, tag=tag)
+    except OffloadError as e:
+        raise OffloadError(f"{key}: {e}") from e
