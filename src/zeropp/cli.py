@@ -33,8 +33,12 @@ def _train_parser(sub: "argparse._SubParsersAction") -> None:
                    help="switch qwZ, hpZ (group = one node) and qgZ all on or all off, overriding the config "
                    "(default: as the config says; the built-in config has them on)")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default=None,
-                   help="ZeRO-Offload: run the optimizer on the host (cpu); nvme is not supported yet "
-                   "(default: as the config says)")
+                   help="ZeRO-Offload: run the optimizer on the host (cpu); nvme: ZeRO-Infinity, optimizer "
+                   "state in a per-rank file, and stage 3's parameters too unless hpZ is on (use --no-zeropp "
+                   "with the built-in config to offload both) (default: as the config says)")
+    p.add_argument("--nvme-path", default=None,
+                   help="directory for the NVMe offload files (default: the config's, else "
+                   "<tmp>/zeropp-nvme)")
     p.add_argument("--steps", type=_positive, default=60, help="optimizer steps (default: 60)")
     p.add_argument("--seed", type=int, default=1234, help="seed for the model and the batches (default: 1234)")
     p.add_argument("--block-size", type=_positive, default=128, help="tokens per sequence (default: 128)")
@@ -55,6 +59,8 @@ def _job_args(args: argparse.Namespace) -> list[str]:
         out.append("--zeropp" if args.zeropp else "--no-zeropp")
     if args.offload is not None:
         out += ["--offload", args.offload]
+    if args.nvme_path:
+        out += ["--nvme-path", os.path.abspath(args.nvme_path)]
     if args.out:
         out += ["--out", os.path.abspath(args.out)]
     return out

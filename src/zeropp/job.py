@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from typing import Any, Optional
 
@@ -51,6 +53,7 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--zeropp", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default=None)
+    p.add_argument("--nvme-path", default=None)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--block-size", type=int, default=128)
@@ -77,9 +80,36 @@ def resolve_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
     if args.ranks_per_node:
         cfg.setdefault("topology", {})["ranks_per_node"] = args.ranks_per_node
     if args.offload is not None:
-        zero.setdefault("offload_optimizer", {})["device"] = args.offload
+        _set_offload(zero, args.offload, args.nvme_path)
     load_config(cfg)  # an unsupported combination fails here, with the key named, before any training
     return cfg
+
+
+def _set_offload(zero: dict[str, Any], device: str, nvme_path: Optional[str]) -> None:
+    """``--offload``: the optimizer goes to ``device``; with "nvme", stage 3's parameters go too unless hpZ is
+    on (its secondary copy stays in memory, so the two do not combine)."""
+    opt = zero.setdefault("offload_optimizer", {})
+    opt["device"] = device
+    if device != "nvme":
+        return
+    default = os.path.join(tempfile.gettempdir(), "zeropp-nvme")
+    opt["nvme_path"] = nvme_path or opt.get("nvme_path") or default
+    if zero.get("stage", 0) == 3 and (zero.get("zero_hpz_partition_size") or 1) <= 1:
+        par = zero.setdefault("offload_param", {})
+        par["device"] = "nvme"
+        par["nvme_path"] = nvme_path or par.get("nvme_path") or opt["nvme_path"]
+
+
+def _offload_words(engine: Any, cfg: dict[str, Any]) -> str:
+    zero = cfg["zero_optimization"]
+    opt = (zero.get("offload_optimizer") or {}).get("device", "none")
+    par = (zero.get("offload_param") or {}).get("device", "none")
+    words = {"cpu": "optimizer offloaded to the host", "nvme": "optimizer state on NVMe"}.get(opt, "")
+    if par == "nvme":
+        words += ", parameters on NVMe"
+    if opt == "nvme" or par == "nvme":
+        words += f" ({', '.join(engine.offload_report()['files'])})"
+    return f", {words}" if words else ""
 
 
 def _ranks_per_node(cfg: dict[str, Any], world: int) -> int:
@@ -147,7 +177,7 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
               f"{world // engine.topo.ranks_per_node} nodes x {engine.topo.ranks_per_node}, "
               f"ZeRO-3{' + ' + ' + '.join(on) if on else ''}, "
               f"{'bf16' if cfg.get('bf16', {}).get('enabled') else 'fp32'}"
-              f"{', optimizer offloaded to the host' if engine.policy.offload_optimizer else ''}", flush=True)
+              f"{_offload_words(engine, cfg)}", flush=True)
     progress = Progress(args.steps, args.log_every)
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -179,6 +209,7 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
             print(f"wrote {args.out}")
     # Tear down together: a rank that destroys its groups while rank 0 is still writing the report can
     # abort inside gloo ("terminate called without an active exception"), failing the whole launch.
+    engine.close()  # deletes this rank's NVMe offload files
     dist.barrier()
     dist.destroy_process_group()
     return result

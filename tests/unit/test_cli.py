@@ -289,8 +289,19 @@ def test_config_topology_is_kept_without_ranks_per_node(tmp_path: Path) -> None:
     assert cfg["topology"]["ranks_per_node"] == 4
 
 
-def test_offload_flag_sets_the_optimizer_device_and_nvme_is_refused() -> None:
+def test_offload_flag_sets_the_optimizer_device() -> None:
     cfg = job.resolve_config(job.job_parser().parse_args(["--offload", "cpu"]), 4)
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    with pytest.raises(Exception, match="offload_optimizer.device: not supported yet"):
-        job.resolve_config(job.job_parser().parse_args(["--offload", "nvme"]), 4)
+
+
+def test_offload_nvme_moves_parameters_too_unless_hpz_is_on(tmp_path) -> None:
+    cfg = job.resolve_config(job.job_parser().parse_args(["--offload", "nvme", "--nvme-path", str(tmp_path)]), 4)
+    zero = cfg["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(tmp_path)}
+    assert "offload_param" not in zero  # the built-in config has hpZ on
+    cfg = job.resolve_config(job.job_parser().parse_args(["--offload", "nvme", "--no-zeropp"]), 4)
+    zero = cfg["zero_optimization"]
+    assert zero["offload_param"]["device"] == "nvme"
+    assert zero["offload_param"]["nvme_path"] == zero["offload_optimizer"]["nvme_path"]
+
+
