@@ -34,8 +34,7 @@ def case_config(stage: int, dtype: str, param_nvme: bool, nvme_dir: str | None) 
     cfg["gradient_clipping"] = 0.5
     cfg["zero_optimization"]["stage"] = stage
     if nvme_dir is not None:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir,
-                                                         "buffer_count": 2}
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
         if param_nvme:
             cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir,
                                                          "buffer_count": 3, "buffer_size": 64}
@@ -110,7 +109,7 @@ def stack_config(world: int, nvme_dir: str | None) -> tuple[dict, int]:
     bucket = 2 * block_elems  # elements
     zero: dict = {"stage": 3, "reduce_bucket_size": bucket}
     if nvme_dir is not None:
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 2}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 3}
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 3,
                                  "buffer_size": block_elems // world + 64}
     cfg = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},

@@ -40,7 +40,7 @@ from zeropp.partition.unit import Unit
 
 __all__ = ["NvmeResidency", "Resident", "Residency", "build_residency"]
 
-STAGING_BUFFERS, STAGING_BYTES = 4, 1 << 20  # AioPool's I/O staging: fixed, not model state
+STAGING_BUFFERS, STAGING_BYTES = 8, 4 << 20  # AioPool's I/O staging (and 8 I/O threads): fixed, not model state
 ADAM_MOMENTS = 2  # fp32 tensors of optimizer state per element the optimizer budget is sized for
 
 
@@ -125,6 +125,7 @@ class NvmeResidency(Resident):
         self.shard_buffer_bytes = shard_buffer_bytes
         self.states_buffer_count = states_buffer_count
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self._stepped: set[int] = set()
         self._depth = 0  # nested resident() blocks are no-ops inside an outer one
 
     # ---- set-up ------------------------------------------------------------------------------------------
@@ -154,6 +155,7 @@ class NvmeResidency(Resident):
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        self._stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}  # frozen ones get no state
         for store in self._stores():  # the budget holds from here on; start-up writes each unit as it is cut
             store.flush()
             store.reset_peak()
@@ -194,8 +196,9 @@ class NvmeResidency(Resident):
             return
         for i, u in enumerate(units):
             self.states.get(f"{u.index}.grad")
-            if i + 1 < len(units):
-                self.states.fetch(f"{units[i + 1].index}.grad", optional=True)
+            for ahead in units[i + 1:]:  # read ahead as far as the buffers allow: many requests in flight
+                if not self.states.fetch(f"{ahead.index}.grad", optional=True):
+                    break
             yield [u]
             self.states.release(f"{u.index}.grad", dirty=False)
 
@@ -255,18 +258,26 @@ class NvmeResidency(Resident):
             self._record_in(u, read_shard=False)
             if self.states is not None:
                 self.states.reserve(self._missing_state_bytes(u))  # a first step creates the moments
-                if i + 1 < len(units):
-                    for name in self._record_names(units[i + 1]):
-                        self.states.fetch(name, optional=True)
+                self._read_ahead(units[i + 1:])
             yield [u]
             self._record_out(u, dirty=True, grad_zeros=True)  # the step consumed the gradients
             if self.states is not None:
                 self.states.unreserve()
 
+    def _read_ahead(self, units: list[Unit]) -> None:
+        """Start reading the next units' records, in order, while the buffers have room. Not past a unit
+        whose optimizer state does not exist yet (a first step): its moments need the room when it steps."""
+        assert self.states is not None
+        for u in units:
+            if self._missing_state_bytes(u) or not all(
+                    self.states.fetch(name, optional=True) for name in self._record_names(u)):
+                return
+
     def _missing_state_bytes(self, unit: Unit) -> int:
+        """Bytes of moments the optimizer will create for ``unit`` at its first step (0 afterwards)."""
         assert self.optimizer is not None
         return ADAM_MOMENTS * sum(moment_storage_bytes(c) for view, c in zip(unit.master_views(), unit.row.chunks)
-                                  if not self.optimizer.state.get(view))
+                                  if id(view) in self._stepped and not self.optimizer.state.get(view))
 
     @contextlib.contextmanager
     def resident(self, units: list[Unit], dirty: bool = True) -> Iterator[None]:
