@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import tempfile
 
@@ -26,6 +27,7 @@ from support.world import run_world
 STEPS, GB = 4, 8
 CASES = [(stage, dtype, param) for stage in (2, 3) for dtype in ("fp32", "bf16")
          for param in ((False, True) if stage == 3 else (False,))]
+CASES += [(2, "fp16", False), (3, "fp16", True)]  # overflows skip steps: offloaded rows must still be cleared
 
 
 def case_config(stage: int, dtype: str, param_nvme: bool, nvme_dir: str | None) -> dict:
@@ -40,6 +42,8 @@ def case_config(stage: int, dtype: str, param_nvme: bool, nvme_dir: str | None) 
                                                          "buffer_count": 3, "buffer_size": 64}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # the default scale (2^16) overflows at first, then halves until steps go through
+        cfg["fp16"] = {"enabled": True, "hysteresis": 1}
     return cfg
 
 
@@ -66,12 +70,15 @@ def test_nvme_offload_equals_the_plain_run_bit_for_bit(stage, dtype, param):
     for rank_result in got:
         plain, nvme = rank_result[((stage, dtype, param), False)], rank_result[((stage, dtype, param), True)]
         assert nvme["losses"] == plain["losses"]
-        assert nvme["grad_norms"] == plain["grad_norms"]
+        assert [repr(n) for n in nvme["grad_norms"]] == [repr(n) for n in plain["grad_norms"]]  # nan == nan
         assert nvme["eval_loss"] == plain["eval_loss"]
         for key, value in plain["state"].items():
             assert torch.equal(nvme["state"][key], value), key
-        assert max(plain["grad_norms"]) > 0.5  # clipping (a second pass over the offloaded rows) was exercised
-        assert len(set(plain["losses"])) == STEPS  # the weights moved every step
+        finite = [n for n in plain["grad_norms"] if math.isfinite(n)]
+        assert max(finite) > 0.5  # clipping (a second pass over the offloaded rows) was exercised
+        if dtype == "fp16":
+            assert len(finite) < STEPS  # some steps were skipped (overflow) ...
+        assert len(set(plain["losses"])) >= STEPS - 1  # ... and the weights moved
 
 
 def test_offload_files_are_gone_when_the_engines_are_collected():

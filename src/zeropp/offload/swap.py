@@ -182,9 +182,12 @@ class SwapStore:
         if e.where is _Where.READING:
             self._finish(e)
             e.where = _Where.RESIDENT
+        if e.where is _Where.WRITING and zeros:  # the bytes being written are obsolete: wait, then free
+            self._finish(e)
+            del self._writing[name]
+            self._free(e)
         if e.where is not _Where.RESIDENT:
-            if zeros and e.where is _Where.OUT:
-                e.zeros = True
+            e.zeros = e.zeros or zeros
             return
         if zeros or not dirty:
             e.zeros = zeros or e.zeros
