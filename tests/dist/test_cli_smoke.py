@@ -101,3 +101,12 @@ def test_zeropp_and_zero3_same_model(zeropp_run: dict, zero3_run: dict) -> None:
     assert a["zero3_formula"] == b["zero3_formula"]
     # same seed, same data: the first loss is the same model on the same batch, up to the quantized weights
     assert abs(a["losses"][0] - b["losses"][0]) < 0.05
+
+
+def test_offload_nvme_trains_the_same_losses_and_leaves_no_files(tmp_path: Path, zero3_run: dict) -> None:
+    nvme = tmp_path / "nvme"
+    run = _run_cli(tmp_path, ["--no-zeropp", "--offload", "nvme", "--nvme-path", str(nvme)])
+    assert "optimizer state on NVMe, parameters on NVMe (" in run["stdout"]
+    assert str(nvme / "zeropp-param-rank0-") in run["stdout"]
+    assert run["json"]["losses"] == zero3_run["json"]["losses"]  # bit for bit: where states wait is not what is computed
+    assert list(nvme.iterdir()) == []  # every rank deleted its files
