@@ -28,10 +28,13 @@ STEPS, GB = 4, 8
 CASES = [(stage, dtype, param) for stage in (2, 3) for dtype in ("fp32", "bf16")
          for param in ((False, True) if stage == 3 else (False,))]
 CASES += [(2, "fp16", False), (3, "fp16", True)]  # overflows skip steps: offloaded rows must still be cleared
+CASES += [("zeropp", "bf16", False)]  # qwZ + hpZ + qgZ with the optimizer on NVMe (hpZ keeps params in memory)
+ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
 
 
-def case_config(stage: int, dtype: str, param_nvme: bool, nvme_dir: str | None) -> dict:
-    cfg = config(GB)
+def case_config(stage: int | str, dtype: str, param_nvme: bool, nvme_dir: str | None) -> dict:
+    cfg = config(GB, **(ZEROPP if stage == "zeropp" else {}))
+    stage = 3 if stage == "zeropp" else stage
     cfg["gradient_accumulation_steps"] = 2
     cfg["gradient_clipping"] = 0.5
     cfg["zero_optimization"]["stage"] = stage
