@@ -171,8 +171,17 @@ class Unit:
         layout = self.group_layout(group_size)
         return torch.cat([s.full.view(group_size, c)[index] for s, c in zip(self.slots, layout.chunks)])
 
-    def refresh_shard_from_master(self) -> None:
-        """After the optimizer changed the masters: recast the 16-bit shard and mark derived copies stale."""
-        if self._shard is not None and self._shard is not self.master:
+    def host_shard_views(self) -> Optional[list[torch.Tensor]]:
+        """Per-parameter views of the kept 16-bit shard when it sits beside the fp32 master (in host memory
+        under offload), so a host optimizer can write the recast in its own pass; else None."""
+        shard = self.kept_shard
+        if shard is None or shard.device != self.master.device or shard.dtype == torch.float32:
+            return None
+        return self._split(shard)
+
+    def refresh_shard_from_master(self, recast: bool = True) -> None:
+        """After the optimizer changed the masters: recast the 16-bit shard (``recast=False``: the optimizer
+        already wrote it) and mark derived copies stale."""
+        if recast and self._shard is not None and self._shard is not self.master:
             self._shard.copy_(self.master)
         self.version += 1

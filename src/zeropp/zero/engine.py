@@ -456,17 +456,36 @@ class ZeroEngine:
             else:
                 for group in self.residency.optimizer_pass(self.units):
                     self._set_master_grads(group, fp32_grad, coef)
-                    self.optimizer.step()
+                    fused = self._step_group(group)
                     for u in group:
                         for view in u.master_views():
                             view.grad = None
-                        u.refresh_shard_from_master()
+                        u.refresh_shard_from_master(recast=u not in fused)
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
                 if not self.plan.shards_weights:
                     self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
         # the optimizer held its own fp32 copies; stages 0-2 hold no rows between steps
         self.residency.clear_grads(self.units, keep_rows=self.plan.shards_weights)
+
+    def _step_group(self, units: list[Unit]) -> set[Unit]:
+        """``optimizer.step()``; returns the units whose 16-bit shard it also wrote. A host optimizer with
+        ``step_and_copy`` (CpuAdam) writes the recast of a shard that sits beside its master in the same pass
+        over memory (ZeRO-Offload's copy-back), instead of a second pass reading every master again."""
+        copy = getattr(self.optimizer, "step_and_copy", None)
+        out16: dict[torch.Tensor, torch.Tensor] = {}
+        fused: set[Unit] = set()
+        if copy is not None:
+            for u in units:
+                views = u.host_shard_views()
+                if views is not None:
+                    out16.update(zip(u.master_views(), views))
+                    fused.add(u)
+        if out16:
+            copy(out16)
+        else:
+            self.optimizer.step()
+        return fused
 
     @staticmethod
     def _set_master_grads(units: list[Unit], fp32_grad: Callable[[Unit], torch.Tensor],
