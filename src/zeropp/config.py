@@ -268,6 +268,13 @@ def _offload_conflicts(cfg: ZeroppConfig) -> list[str]:
         if zero.zero_hpz_partition_size > 1:
             out.append("zero_optimization.zero_hpz_partition_size: not supported with offload_param (the "
                        "secondary copy would stay in memory); accepted: 1")
+        if par.device == "nvme" and par.buffer_count < 2:
+            out.append(f"zero_optimization.offload_param.buffer_count: at least 2 with device \"nvme\" (the "
+                       f"shard being gathered and the next one); got {par.buffer_count}")
+    par_nvme = par is not None and par.device == "nvme"
+    if opt is not None and opt.delayed_update and par_nvme:
+        out.append("zero_optimization.offload_optimizer.delayed_update: not supported with offload_param "
+                   "device \"nvme\"; accepted: false")
     if opt is not None and opt.device == "nvme":
         if zero.stage == 0:
             out.append("zero_optimization.offload_optimizer.device: \"nvme\" needs zero_optimization.stage "

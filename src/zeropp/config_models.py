@@ -172,8 +172,8 @@ class OffloadParamConfig(Section):
                               "\"nvme\").")
     pin_memory: bool = F(False, doc="Use page-locked CPU buffers (inert on this CPU build).",
                          status=STATUS_INERT)
-    buffer_count: DSInt = F(5, ge=1, doc="With device \"nvme\": how many shards may be in memory at once "
-                            "(the unit being gathered, the prefetched gather, the shard read ahead).")
+    buffer_count: DSInt = F(5, ge=1, doc="With device \"nvme\" (at least 2): how many shards may be in memory "
+                            "at once (the unit being gathered, the prefetched gather, the shards read ahead).")
     buffer_size: DSInt = F(100_000_000, ge=1, doc="With device \"nvme\": elements per buffer; every unit's "
                            "shard on a rank must fit in one (checked at start-up).")
     max_in_cpu: DSInt = F(1_000_000_000, ge=0, doc="Elements kept in CPU memory with NVMe (inert).",

@@ -246,36 +246,43 @@ def test_bad_offload_paths_fail_at_start_up_naming_the_key(tmp_path):
     assert r["left"] == []  # a failed start deletes what it created
 
 
-def checkpoint_run(rank: int, world: int, base: str) -> dict:
-    """Save with NVMe offload mid-run, load into a fresh NVMe engine: it continues exactly as the original."""
-    def engine_for(nvme: bool):
-        cfg, _ = stack_config(world, os.path.join(base, "nvme") if nvme else None)
-        torch.manual_seed(0)
-        return zeropp.initialize(model=Stack(), config=cfg)[0]
+def stack_engine(world: int, base: str, nvme: bool):
+    cfg, _ = stack_config(world, os.path.join(base, "nvme") if nvme else None)
+    torch.manual_seed(0)
+    return zeropp.initialize(model=Stack(), config=cfg)[0]
 
+
+def stack_steps(engine, rank: int, first: int, n: int) -> list[float]:
     x = torch.randn(64, 4, DIM, generator=torch.Generator().manual_seed(1))
+    out = []
+    for i in range(first, first + n):
+        loss = engine(x[i * 8 + rank * 2: i * 8 + rank * 2 + 2])
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out
 
-    def steps(engine, first: int, n: int) -> list[float]:
-        out = []
-        for i in range(first, first + n):
-            loss = engine(x[i * 8 + rank * 2: i * 8 + rank * 2 + 2])
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-        return out
 
-    a = engine_for(True)
-    steps(a, 0, 4)  # 2 optimizer steps (2 micro-steps each)
-    a.save_checkpoint(os.path.join(base, "ckpt"))
-    original = steps(a, 4, 4)
-    b = engine_for(True)
-    b.load_checkpoint(os.path.join(base, "ckpt"))
-    resumed = steps(b, 4, 4)
-    plain = engine_for(False)
-    plain.load_checkpoint(os.path.join(base, "ckpt"))  # the checkpoint is the same format either way
+def checkpoint_run(rank: int, world: int, base: str) -> dict:
+    """Save with NVMe offload mid-run, load into a fresh NVMe engine: it continues exactly as the original.
+    Then load a checkpoint saved before any step (no optimizer state) into an engine that has state."""
+    ckpt, early = os.path.join(base, "ckpt"), os.path.join(base, "early")
+    a = stack_engine(world, base, True)
+    a.save_checkpoint(early)
+    stack_steps(a, rank, 0, 4)  # 2 optimizer steps (2 micro-steps each)
+    a.save_checkpoint(ckpt)
+    original = stack_steps(a, rank, 4, 4)
+    b = stack_engine(world, base, True)
+    b.load_checkpoint(ckpt)
+    resumed = stack_steps(b, rank, 4, 4)
+    plain = stack_engine(world, base, False)
+    plain.load_checkpoint(ckpt)  # the checkpoint is the same format either way
     sa, sb = a.consolidated_state_dict(), b.consolidated_state_dict()
-    return {"original": original, "resumed": resumed, "plain": steps(plain, 4, 4),
-            "state_equal": all(torch.equal(v, sb[k]) for k, v in sa.items())}
+    a.load_checkpoint(early)  # its moments are dropped from memory and from the store
+    again = stack_steps(a, rank, 0, 4)
+    fresh = stack_steps(stack_engine(world, base, False), rank, 0, 4)
+    return {"original": original, "resumed": resumed, "plain": stack_steps(plain, rank, 4, 4),
+            "state_equal": all(torch.equal(v, sb[k]) for k, v in sa.items()), "again": again, "fresh": fresh}
 
 
 def test_checkpoint_round_trip_with_nvme_offload_continues_bit_for_bit(tmp_path):
@@ -283,3 +290,42 @@ def test_checkpoint_round_trip_with_nvme_offload_continues_bit_for_bit(tmp_path)
         assert r["resumed"] == r["original"]
         assert r["plain"] == r["original"]
         assert r["state_equal"]
+        assert r["again"] == r["fresh"]
+
+
+def frozen_run(rank: int, world: int, base: str) -> dict:
+    """Frozen parameters and parameters left out of the optimizer keep their weights under every offload
+    combination (the optimizer never writes their 16-bit shards; the engine must recast them)."""
+    out = {}
+    for label, opt_dev, par_dev in (("plain", "none", "none"), ("cpu+param_nvme", "cpu", "nvme"),
+                                    ("nvme+param_nvme", "nvme", "nvme"), ("cpu+param_cpu", "cpu", "cpu")):
+        cfg, _ = stack_config(world, None)
+        zero = cfg["zero_optimization"]
+        path = os.path.join(base, label)
+        if opt_dev != "none":
+            zero["offload_optimizer"] = {"device": opt_dev, "nvme_path": path}
+        if par_dev != "none":
+            zero["offload_param"] = {"device": par_dev, "nvme_path": path, "buffer_size": 10_000}
+        torch.manual_seed(0)
+        model = Stack()
+        model.blocks[0].up.weight.requires_grad_(False)
+        trained = [p for p in model.parameters() if p.requires_grad and p is not model.blocks[1].down.bias]
+        engine = zeropp.initialize(model=model, config=cfg, model_parameters=trained)[0]
+        losses = stack_losses(engine, rank)
+        state = engine.consolidated_state_dict()
+        engine.close()
+        out[label] = {"losses": losses, "state": state}
+    return out
+
+
+def test_frozen_and_left_out_parameters_keep_their_weights_under_offload(tmp_path):
+    for r in run_world(frozen_run, 2, str(tmp_path)):
+        plain = r["plain"]
+        torch.manual_seed(0)
+        init = Stack().state_dict()
+        assert torch.equal(plain["state"]["blocks.0.up.weight"], init["blocks.0.up.weight"])
+        assert torch.equal(plain["state"]["blocks.1.down.bias"], init["blocks.1.down.bias"])
+        for label in ("cpu+param_nvme", "nvme+param_nvme", "cpu+param_cpu"):
+            assert r[label]["losses"] == plain["losses"], label
+            for key, value in plain["state"].items():
+                assert torch.equal(r[label]["state"][key], value), (label, key)

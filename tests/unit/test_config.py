@@ -312,6 +312,11 @@ def test_nvme_offload_loads_with_its_settings() -> None:
      "zero_optimization.offload_optimizer.device: \"nvme\" needs zero_optimization.stage 1, 2 or 3"),
     (stage3(offload_optimizer={"device": "nvme", "nvme_path": "/x", "delayed_update": True}),
      "zero_optimization.offload_optimizer.delayed_update: not supported with device \"nvme\""),
+    (stage3(offload_optimizer={"device": "cpu", "delayed_update": True},
+            offload_param={"device": "nvme", "nvme_path": "/x"}),
+     "zero_optimization.offload_optimizer.delayed_update: not supported with offload_param device \"nvme\""),
+    (stage3(offload_param={"device": "nvme", "nvme_path": "/x", "buffer_count": 1}),
+     "zero_optimization.offload_param.buffer_count: at least 2 with device \"nvme\""),
 ])
 def test_offload_settings_that_cannot_work_together_name_the_key(raw: dict, line: str) -> None:
     err = error_of(raw)

@@ -92,3 +92,28 @@ def test_tensors_that_share_or_cannot_resize_their_storage_are_refused(store):
     assert not SwapStore.can_take(torch.frombuffer(bytearray(4096), dtype=torch.float32))
     with pytest.raises(ValueError, match="resizable"):
         store.put("x", big[:1024])
+
+
+def test_a_needed_shard_displaces_shards_read_ahead(tmp_path):
+    """The gather that needs a shard gets a buffer even when read-aheads for a path not taken hold them."""
+    from types import SimpleNamespace
+
+    from zeropp.offload.residency import NvmeResidency
+
+    pool = AioPool(tmp_path, 2, 1 << 16)
+    try:
+        store = SwapStore(pool, budget=100 * 4, sized_by="test")
+        for i, n in enumerate((60, 70, 40)):
+            store.put(f"{i}.shard", torch.full((n,), float(i)))
+        store.flush()
+        res = NvmeResidency(store, None, shard_buffer_bytes=70 * 4, states_buffer_count=0)
+        unit = [SimpleNamespace(index=i) for i in range(3)]
+        assert res.shard_in(unit[0])
+        assert not res.shard_in(unit[1], optional=True)  # no room beside unit 0: the prefetch is skipped
+        res.prefetch_shard(unit[2])  # fits: read ahead
+        res.shard_done(unit[0])
+        assert res.shard_in(unit[1])  # needs 70 with 40 read ahead: the read-ahead gives way
+        assert torch.equal(store.get("1.shard"), torch.full((70,), 1.0))
+        assert not store.is_resident("2.shard")
+    finally:
+        pool.close()

@@ -125,7 +125,10 @@ class NvmeResidency(Resident):
         self.shard_buffer_bytes = shard_buffer_bytes
         self.states_buffer_count = states_buffer_count
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        self._stepped: set[int] = set()
+        self._stepped: set[int] = set()  # master views the optimizer updates
+        self._seen: set[int] = set()  # ... and those it has stepped at least once (their state exists)
+        self._shards_in_use: set[int] = set()  # unit indices whose shard a gather is reading
+        self._fetched_states: dict[int, list[str]] = {}
         self._depth = 0  # nested resident() blocks are no-ops inside an outer one
 
     # ---- set-up ------------------------------------------------------------------------------------------
@@ -165,10 +168,19 @@ class NvmeResidency(Resident):
         if self.params is None:
             return True
         name = f"{unit.index}.shard"
-        if not self.params.fetch(name, optional=optional):
-            return False
+        if not self.params.fetch(name, optional=True):
+            if optional:
+                return False
+            self._drop_read_ahead()  # shards read ahead for a path not taken give way to one that is needed
         self.params.get(name)
+        self._shards_in_use.add(unit.index)
         return True
+
+    def _drop_read_ahead(self) -> None:
+        assert self.params is not None
+        for name in self.params.resident_names():
+            if int(name.split(".")[0]) not in self._shards_in_use:
+                self.params.release(name, dirty=False)
 
     def prefetch_shard(self, unit: Unit) -> None:
         if self.params is not None:
@@ -176,6 +188,7 @@ class NvmeResidency(Resident):
 
     def shard_done(self, unit: Unit) -> None:
         if self.params is not None:
+            self._shards_in_use.discard(unit.index)
             self.params.release(f"{unit.index}.shard", dirty=False)
 
     # ---- gradient rows -----------------------------------------------------------------------------------
@@ -233,19 +246,27 @@ class NvmeResidency(Resident):
 
     def _record_in(self, unit: Unit, read_shard: bool) -> None:
         if self.states is not None:
-            for name in self._record_names(unit):
+            names = self._record_names(unit)
+            for name in names:
                 self.states.get(name)
+            self._fetched_states[unit.index] = names
         if self.params is not None:  # a step recasts the shard from the master: nothing to read then
             self.params.get(f"{unit.index}.shard", read=read_shard)
 
     def _record_out(self, unit: Unit, dirty: bool, grad_zeros: bool = False) -> None:
         if self.states is not None:
             self.states.release(f"{unit.index}.master", dirty=dirty)
-            for name, t in self._state_tensors(unit, own=dirty):
+            current = self._state_tensors(unit, own=dirty)
+            for name, t in current:
                 if dirty:
                     self.states.put(name, t)  # new tensors (a first step, a state-dict load) are taken over
                 else:
                     self.states.release(name, dirty=False)
+            kept = {name for name, _ in current}
+            for name in self._fetched_states.pop(unit.index, []):
+                if name not in kept and name not in (f"{unit.index}.master", f"{unit.index}.grad"):
+                    self.states.discard(name)  # state a loaded state dict did not have
+                    self._seen.discard(id(unit.master_views()[int(name.split(".")[1])]))
             self.states.release(f"{unit.index}.grad", dirty=dirty, zeros=grad_zeros)
         if self.params is not None:
             self.params.release(f"{unit.index}.shard", dirty=dirty)
@@ -256,13 +277,16 @@ class NvmeResidency(Resident):
             return
         for i, u in enumerate(units):
             self._record_in(u, read_shard=False)
-            if self.states is not None:
-                self.states.reserve(self._missing_state_bytes(u))  # a first step creates the moments
-                self._read_ahead(units[i + 1:])
-            yield [u]
-            self._record_out(u, dirty=True, grad_zeros=True)  # the step consumed the gradients
-            if self.states is not None:
-                self.states.unreserve()
+            try:
+                if self.states is not None:
+                    self.states.reserve(self._missing_state_bytes(u))  # a first step creates the moments
+                    self._read_ahead(units[i + 1:])
+                yield [u]
+                self._seen.update(id(v) for v in u.master_views())
+            finally:  # after an error too: the record goes back out and the reservation is dropped
+                self._record_out(u, dirty=True, grad_zeros=True)  # the step consumed the gradients
+                if self.states is not None:
+                    self.states.unreserve()
 
     def _read_ahead(self, units: list[Unit]) -> None:
         """Start reading the next units' records, in order, while the buffers have room. Not past a unit
@@ -277,7 +301,8 @@ class NvmeResidency(Resident):
         """Bytes of moments the optimizer will create for ``unit`` at its first step (0 afterwards)."""
         assert self.optimizer is not None
         return ADAM_MOMENTS * sum(moment_storage_bytes(c) for view, c in zip(unit.master_views(), unit.row.chunks)
-                                  if id(view) in self._stepped and not self.optimizer.state.get(view))
+                                  if id(view) in self._stepped and id(view) not in self._seen
+                                  and not self.optimizer.state.get(view))
 
     @contextlib.contextmanager
     def resident(self, units: list[Unit], dirty: bool = True) -> Iterator[None]:

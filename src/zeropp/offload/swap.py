@@ -126,6 +126,17 @@ class SwapStore:
         self.resident_bytes -= self._reserved
         self._reserved = 0
 
+    def discard(self, name: str) -> None:
+        """Forget ``name`` (its tensor is no longer in use: e.g. state a loaded state dict did not have)."""
+        e = self._entries.pop(name, None)
+        if e is not None:
+            self._writing.pop(name, None)
+            self._drop(e)
+
+    def resident_names(self) -> list[str]:
+        """Names whose bytes are in memory (or being read into it)."""
+        return [n for n, e in self._entries.items() if e.where in (_Where.RESIDENT, _Where.READING)]
+
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 

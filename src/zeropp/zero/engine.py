@@ -161,6 +161,8 @@ class ZeroEngine:
             if slot.param.requires_grad and (trainable is None or id(slot.param) in trainable)
         ]
         self.optimizer = make_optimizer(masters)
+        # master views the optimizer updates (frozen or left-out parameters are not among them)
+        self._optimized = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         self.residency.attach(self.optimizer)
         self.lr_scheduler = make_scheduler(self.optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
@@ -324,9 +326,8 @@ class ZeroEngine:
             pending.finish()
             self.residency.shard_done(unit)
         self._inflight.clear()
-        for unit in self.units:  # shards read ahead for a path the model did not take this time
-            if unit.state is UnitState.SHARDED:
-                self.residency.shard_done(unit)
+        for unit in self.units:  # shards read ahead that no gather used (another path, or already gathered)
+            self.residency.shard_done(unit)
         self._last_order[which], self._order[which] = self._order[which], []
 
     # ---- public training API -----------------------------------------------------------------------------
@@ -478,7 +479,8 @@ class ZeroEngine:
         if copy is not None:
             for u in units:
                 views = u.host_shard_views()
-                if views is not None:
+                # a view the optimizer does not step would keep whatever the shard held: recast those units
+                if views is not None and all(id(v) in self._optimized for v in u.master_views()):
                     out16.update(zip(u.master_views(), views))
                     fused.add(u)
         if out16:
