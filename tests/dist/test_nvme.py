@@ -127,20 +127,25 @@ def stack_config(world: int, nvme_dir: str | None) -> tuple[dict, int]:
     return cfg, bucket
 
 
-def stack_losses(engine, rank: int) -> list[float]:
+def stack_engine(world: int, nvme_dir: str | None):
+    cfg, _ = stack_config(world, nvme_dir)
+    torch.manual_seed(0)
+    return zeropp.initialize(model=Stack(), config=cfg)[0]
+
+
+def stack_steps(engine, rank: int, first: int, n: int) -> list[float]:
     x = torch.randn(64, 4, DIM, generator=torch.Generator().manual_seed(1))
-    losses = []
-    for i in range(6):
+    out = []
+    for i in range(first, first + n):
         loss = engine(x[i * 8 + rank * 2: i * 8 + rank * 2 + 2])
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())
-    return losses
+        out.append(loss.item())
+    return out
 
 
 def memory_run(rank: int, world: int, nvme_dir: str) -> dict:
-    torch.manual_seed(0)
-    plain = stack_losses(zeropp.initialize(model=Stack(), config=stack_config(world, None)[0])[0], rank)
+    plain = stack_steps(stack_engine(world, None), rank, 0, 6)
     cfg, bucket = stack_config(world, nvme_dir)
     torch.manual_seed(0)
     engine, optimizer, *_ = zeropp.initialize(model=Stack(), config=cfg)
@@ -160,7 +165,7 @@ def memory_run(rank: int, world: int, nvme_dir: str) -> dict:
 
     optimizer.step = sampled_step
     files = sorted(os.listdir(nvme_dir))
-    losses = stack_losses(engine, rank)
+    losses = stack_steps(engine, rank, 0, 6)
     units = engine.units
     gathered = sorted((sum(s.spec.padded for s in u.slots) * 2 for u in units), reverse=True)
     report = engine.offload_report()
@@ -246,41 +251,24 @@ def test_bad_offload_paths_fail_at_start_up_naming_the_key(tmp_path):
     assert r["left"] == []  # a failed start deletes what it created
 
 
-def stack_engine(world: int, base: str, nvme: bool):
-    cfg, _ = stack_config(world, os.path.join(base, "nvme") if nvme else None)
-    torch.manual_seed(0)
-    return zeropp.initialize(model=Stack(), config=cfg)[0]
-
-
-def stack_steps(engine, rank: int, first: int, n: int) -> list[float]:
-    x = torch.randn(64, 4, DIM, generator=torch.Generator().manual_seed(1))
-    out = []
-    for i in range(first, first + n):
-        loss = engine(x[i * 8 + rank * 2: i * 8 + rank * 2 + 2])
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
-
-
 def checkpoint_run(rank: int, world: int, base: str) -> dict:
     """Save with NVMe offload mid-run, load into a fresh NVMe engine: it continues exactly as the original.
     Then load a checkpoint saved before any step (no optimizer state) into an engine that has state."""
     ckpt, early = os.path.join(base, "ckpt"), os.path.join(base, "early")
-    a = stack_engine(world, base, True)
+    a = stack_engine(world, os.path.join(base, "nvme"))
     a.save_checkpoint(early)
     stack_steps(a, rank, 0, 4)  # 2 optimizer steps (2 micro-steps each)
     a.save_checkpoint(ckpt)
     original = stack_steps(a, rank, 4, 4)
-    b = stack_engine(world, base, True)
+    b = stack_engine(world, os.path.join(base, "nvme"))
     b.load_checkpoint(ckpt)
     resumed = stack_steps(b, rank, 4, 4)
-    plain = stack_engine(world, base, False)
+    plain = stack_engine(world, None)
     plain.load_checkpoint(ckpt)  # the checkpoint is the same format either way
     sa, sb = a.consolidated_state_dict(), b.consolidated_state_dict()
     a.load_checkpoint(early)  # its moments are dropped from memory and from the store
     again = stack_steps(a, rank, 0, 4)
-    fresh = stack_steps(stack_engine(world, base, False), rank, 0, 4)
+    fresh = stack_steps(stack_engine(world, None), rank, 0, 4)
     return {"original": original, "resumed": resumed, "plain": stack_steps(plain, rank, 4, 4),
             "state_equal": all(torch.equal(v, sb[k]) for k, v in sa.items()), "again": again, "fresh": fresh}
 
@@ -311,7 +299,7 @@ def frozen_run(rank: int, world: int, base: str) -> dict:
         model.blocks[0].up.weight.requires_grad_(False)
         trained = [p for p in model.parameters() if p.requires_grad and p is not model.blocks[1].down.bias]
         engine = zeropp.initialize(model=model, config=cfg, model_parameters=trained)[0]
-        losses = stack_losses(engine, rank)
+        losses = stack_steps(engine, rank, 0, 6)
         state = engine.consolidated_state_dict()
         engine.close()
         out[label] = {"losses": losses, "state": state}

@@ -38,7 +38,7 @@ from zeropp.offload.swap import SwapStore
 from zeropp.partition.spec import ShardSpec
 from zeropp.partition.unit import Unit
 
-__all__ = ["NvmeResidency", "Resident", "Residency", "build_residency"]
+__all__ = ["NvmeResidency", "Resident", "build_residency"]
 
 STAGING_BUFFERS, STAGING_BYTES = 8, 4 << 20  # AioPool's I/O staging (and 8 I/O threads): fixed, not model state
 ADAM_MOMENTS = 2  # fp32 tensors of optimizer state per element the optimizer budget is sized for
@@ -53,8 +53,9 @@ class Resident:
     def adopt(self, unit: Unit) -> None:
         """A unit was just built."""
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer over the units' master views was just built."""
+    def attach(self, optimizer: torch.optim.Optimizer, optimized: set[int]) -> None:
+        """The optimizer over the units' master views was just built; ``optimized`` holds the ids of the
+        views it updates (frozen or left-out parameters are not among them)."""
 
     def shard_in(self, unit: Unit, optional: bool = False) -> bool:
         """Make ``unit.shard_row()`` readable (waits for its read); False when ``optional`` and no buffer is
@@ -112,9 +113,6 @@ class Resident:
         """Delete the offload files."""
 
 
-Residency = Resident  # the interface
-
-
 class NvmeResidency(Resident):
     """Shards (``params``) and/or masters, gradients and optimizer state (``states``) in offload files."""
 
@@ -156,9 +154,9 @@ class NvmeResidency(Resident):
         grad = n * torch.empty((), dtype=unit.compute_dtype).element_size()
         return 4 * n + grad + ADAM_MOMENTS * sum(moment_storage_bytes(c) for c in unit.row.chunks)
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, optimized: set[int]) -> None:
         self.optimizer = optimizer
-        self._stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}  # frozen ones get no state
+        self._stepped = optimized  # frozen ones get no state
         for store in self._stores():  # the budget holds from here on; start-up writes each unit as it is cut
             store.flush()
             store.reset_peak()

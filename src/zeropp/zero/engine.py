@@ -163,7 +163,7 @@ class ZeroEngine:
         self.optimizer = make_optimizer(masters)
         # master views the optimizer updates (frozen or left-out parameters are not among them)
         self._optimized = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        self.residency.attach(self.optimizer)
+        self.residency.attach(self.optimizer, self._optimized)
         self.lr_scheduler = make_scheduler(self.optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
