@@ -20,6 +20,7 @@ from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
 from zeropp.comm.reduce import AllReduceMean, AllToAllReduceScatter
 from zeropp.config import ZeroConfig, ZeroppConfig, load_config
+from zeropp.offload.link import build_link
 from zeropp.offload.residency import build_residency
 from zeropp.optim import build_optimizer, build_scheduler
 from zeropp.plus.hpz import HpzGather, SecondaryStore
@@ -78,6 +79,17 @@ def _delayed_update_after(zero: ZeroConfig) -> Optional[int]:
     """Optimizer steps before delayed parameter updates start, or None when DPU is off."""
     off = zero.offload_optimizer
     return off.delayed_update_warmup_steps if off is not None and off.delayed_update else None
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _pin_memory(zero: ZeroConfig) -> bool:
+    """Page-locked host rows when either offload section asks for them."""
+    return any(section is not None and section.device != "none" and section.pin_memory
+               for section in (zero.offload_optimizer, zero.offload_param))
 
 
 def _ensure_process_group() -> None:
@@ -174,6 +186,7 @@ def initialize(
     # NVMe files are created and their space reserved now: a bad path fails before any work
     residency = build_residency(zero, model, topo.world_size if zero.stage >= 1 else 1, compute_dtype, topo.rank)
     try:
+        link = build_link(_model_device(model), offload or offload_param, _pin_memory(zero))
         engine = ZeroEngine(
             model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
             make_scheduler=lr_scheduler or (lambda opt: build_scheduler(cfg.scheduler, opt)),
@@ -181,6 +194,7 @@ def initialize(
             config=cfg,
             param_init_fn=param_init_fn,
             residency=residency,
+            link=link,
         )
     except BaseException:
         residency.close()  # no offload file outlives a failed start

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 import zeropp
 from support.train import config, train_engine
 from support.world import run_world
+from zeropp.offload.link import ThreadedLink
 
 STEPS, GB = 4, 8
 CASES = [(stage, dtype, param) for stage in (2, 3) for dtype in ("fp32", "bf16")
@@ -30,6 +32,8 @@ CASES = [(stage, dtype, param) for stage in (2, 3) for dtype in ("fp32", "bf16")
 CASES += [(2, "fp16", False), (3, "fp16", True)]  # overflows skip steps: offloaded rows must still be cleared
 CASES += [("zeropp", "bf16", False)]  # qwZ + hpZ + qgZ with the optimizer on NVMe (hpZ keeps params in memory)
 ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+# also through ThreadedLink (device memory apart from the host, copies that finish later; see test_offload)
+LINK_CASES = [(2, "fp32", False), (3, "fp32", False), (3, "bf16", False), (3, "bf16", True)]
 
 
 def case_config(stage: int | str, dtype: str, param_nvme: bool, nvme_dir: str | None) -> dict:
@@ -56,6 +60,10 @@ def parity_run(rank: int, world: int, nvme_dir: str) -> dict:
         for offload in (False, True):
             r = train_engine(rank, world, case_config(*case, nvme_dir if offload else None), STEPS, GB)
             out[(case, offload)] = {k: r[k] for k in ("losses", "grad_norms", "eval_loss", "state")}
+    for case in LINK_CASES:
+        with mock.patch("zeropp.api.build_link", lambda *args: ThreadedLink()):
+            r = train_engine(rank, world, case_config(*case, nvme_dir), STEPS, GB)
+        out[(case, "threaded")] = {k: r[k] for k in ("losses", "grad_norms", "eval_loss", "state")}
     return out
 
 
@@ -82,6 +90,16 @@ def test_nvme_offload_equals_the_plain_run_bit_for_bit(stage, dtype, param):
         if dtype == "fp16":
             assert len(finite) < STEPS  # some steps were skipped (overflow) ...
         assert len(set(plain["losses"])) >= STEPS - 1  # ... and the weights moved
+
+
+@pytest.mark.parametrize("stage,dtype,param", LINK_CASES)
+def test_nvme_offload_through_an_asynchronous_link_equals_the_plain_run(stage, dtype, param):
+    got, _ = parity_results()
+    for rank_result in got:
+        plain, linked = rank_result[((stage, dtype, param), False)], rank_result[((stage, dtype, param), "threaded")]
+        assert linked["losses"] == plain["losses"] and linked["eval_loss"] == plain["eval_loss"]
+        for key, value in plain["state"].items():
+            assert torch.equal(linked["state"][key], value), key
 
 
 def test_offload_files_are_gone_when_the_engines_are_collected():

@@ -1,9 +1,17 @@
 """ZeRO-Offload: optimizer offload to the host (CpuAdam on host-resident masters) changes where the step
 runs, not what it computes: losses and weights equal the non-offloaded run bit for bit (torch's AdamW and
-CpuAdam are bit-identical), with and without the delayed parameter update."""
+CpuAdam are bit-identical), with and without the delayed parameter update.
+
+The same holds through ``ThreadedLink``, a stand-in for a device whose memory is apart from the host and
+whose copies run later on a worker thread (gradient downloads per bucket, 16-bit uploads after the step):
+the run is still bit for bit the plain one, so every copy is waited for before it is read and no source
+changes under a copy. A run with the upload wait removed shows the check can fail."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
+from unittest import mock
 
 import pytest
 import torch
@@ -12,11 +20,16 @@ import zeropp
 from support.models import TiedNet
 from support.train import config, train_steps
 from support.world import run_world
+from zeropp.offload.link import ThreadedLink
+from zeropp.zero.engine import ZeroEngine
 
 STEPS, GB = 6, 8
 # "zeropp": stage 3 with qwZ + hpZ + qgZ (the public implementation's loss got stuck with CPU offload + hpZ)
 CASES = [(stage, dtype, dpu) for stage in (1, 2, 3, "zeropp") for dtype in ("fp32", "bf16") for dpu in (False, True)]
 ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+# through ThreadedLink: every stage, both dtypes, with and without DPU
+LINK_CASES = [(1, "bf16", True), (2, "fp32", False), (2, "bf16", False), (3, "bf16", False), (3, "fp32", True),
+              ("zeropp", "bf16", True)]
 
 
 def case_config(stage: int, dtype: str, dpu: bool, offload: bool) -> dict:
@@ -29,16 +42,24 @@ def case_config(stage: int, dtype: str, dpu: bool, offload: bool) -> dict:
     return cfg
 
 
-def train(rank: int, world: int, cfg: dict) -> dict:
+def train(rank: int, world: int, cfg: dict, link: ThreadedLink | None = None) -> dict:
     torch.manual_seed(0)
-    engine, optimizer, *_ = zeropp.initialize(model=TiedNet(), config=cfg)
+    patch = mock.patch("zeropp.api.build_link", lambda *args: link) if link else contextlib.nullcontext()
+    with patch:
+        engine, optimizer, *_ = zeropp.initialize(model=TiedNet(), config=cfg)
     losses = train_steps(engine, rank, world, STEPS, GB)
-    return {"losses": losses, "state": engine.consolidated_state_dict(), "optimizer": type(optimizer).__name__}
+    return {"losses": losses, "state": engine.consolidated_state_dict(), "optimizer": type(optimizer).__name__,
+            "copies": link.copies if link else 0}
 
 
 def run(rank: int, world: int) -> dict:
-    return {(case, offload): train(rank, world, case_config(*case, offload))
-            for case in CASES for offload in (False, True)}
+    out = {(case, offload): train(rank, world, case_config(*case, offload))
+           for case in CASES for offload in (False, True)}
+    for case in LINK_CASES:
+        out[(case, "threaded")] = train(rank, world, case_config(*case, True), ThreadedLink())
+    with mock.patch.object(ZeroEngine, "_await_upload", lambda self, unit: None):  # a gather that does not wait
+        out["no_wait"] = train(rank, world, case_config(3, "bf16", False, True), ThreadedLink())
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,3 +76,20 @@ def test_offloaded_run_equals_the_plain_run_bit_for_bit(stage, dtype, dpu):
         for key, value in plain["state"].items():
             assert torch.equal(offloaded["state"][key], value), key
         assert plain["losses"][-1] < plain["losses"][0]  # it trains
+
+
+@pytest.mark.parametrize("stage,dtype,dpu", LINK_CASES)
+def test_offload_through_an_asynchronous_link_equals_the_plain_run(stage, dtype, dpu):
+    for rank_result in results():
+        plain, linked = rank_result[((stage, dtype, dpu), False)], rank_result[((stage, dtype, dpu), "threaded")]
+        # a download per bucket and an upload per unit and step went through the link
+        assert linked["copies"] > 2 * STEPS
+        assert linked["losses"] == plain["losses"]
+        for key, value in plain["state"].items():
+            assert torch.equal(linked["state"][key], value), key
+
+
+def test_a_gather_that_skips_the_upload_wait_reads_poisoned_weights():
+    for rank_result in results():
+        losses = rank_result["no_wait"]["losses"]
+        assert not math.isnan(losses[0]) and math.isnan(losses[-1])

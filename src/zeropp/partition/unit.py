@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -61,6 +61,8 @@ class Unit:
         device: torch.device | None = None,
         host_masters: bool = False,
         host_shard: bool = False,
+        host_zeros: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
+        staged_copy_back: bool = False,
     ) -> None:
         """Cut each parameter's chunk ``rank`` of ``world`` into the master row and free the full weights.
 
@@ -71,7 +73,10 @@ class Unit:
         except with ``host_masters`` (optimizer offload): the fp32 master and the gradient row live on the
         host, where the optimizer steps, and only the 16-bit shard and the full weights on the device.
         ``host_shard`` (parameter offload): the kept 16-bit shard lives on the host too and is copied to the
-        device for each gather.
+        device for each gather. Host rows come from ``host_zeros`` (the host link's, page-locked on CUDA).
+        ``staged_copy_back`` (host masters, device memory apart from the host): the unit keeps a device
+        shard at every stage and a host row in the compute dtype that the optimizer writes in its pass;
+        the engine uploads it after the step (see :meth:`copy_back`).
         """
         self.index = index
         self.module_name = module_name
@@ -85,7 +90,15 @@ class Unit:
         first = named_params[0][1].device if named_params else torch.device("cpu")
         self.device = device or (torch.device("cpu") if first.type == "meta" else first)
         self.state_device = torch.device("cpu") if host_masters else self.device
-        self.master = torch.zeros(self.row.numel, dtype=torch.float32, device=self.state_device)
+        host = torch.device("cpu")
+
+        def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            if device == host and host_zeros is not None:
+                return host_zeros(numel, dtype)
+            return torch.zeros(numel, dtype=dtype, device=device)
+
+        self._zeros = zeros
+        self.master = zeros(self.row.numel, torch.float32, self.state_device)
         for (name, p), off, c in zip(named_params, self.row.offsets, self.row.chunks):
             spec = ShardSpec(p.numel(), p.shape, world)
             with torch.no_grad():
@@ -94,15 +107,27 @@ class Unit:
             p.data = full[: spec.numel].view(spec.shape)
             self.slots.append(ParamSlot(name, p, spec, full))
         self._shard: Optional[torch.Tensor] = None
-        if keep_shard:
-            shard_device = torch.device("cpu") if host_shard else self.device
-            alias = compute_dtype == torch.float32 and alias_fp32_shard and self.state_device == shard_device
-            self._shard = self.master if alias else self.master.to(shard_device, compute_dtype, copy=True)
+        # the host row the optimizer writes when the shard is device memory apart from the masters
+        self._staged: Optional[torch.Tensor] = None
+        staged = staged_copy_back and host_masters and not host_shard
+        if keep_shard or staged:
+            shard_device = host if host_shard else self.device
+            alias = (compute_dtype == torch.float32 and alias_fp32_shard and self.state_device == shard_device
+                     and not staged)
+            self._shard = self.master if alias else self._copy_of_master(shard_device)
+        if staged and compute_dtype != torch.float32:  # fp32: the master itself is what goes up
+            self._staged = self._copy_of_master(host)
+        self._uploads_shard = staged
         # Fixed views: the optimizer keys its state by tensor identity, so they are made once.
         self._master_views = self._split(self.master)
         self.grad: Optional[torch.Tensor] = None  # allocated at first use: see grad_row()
         self._grad_views: list[torch.Tensor] = []
         self.release()
+
+    def _copy_of_master(self, device: torch.device) -> torch.Tensor:
+        row = self._zeros(self.row.numel, self.compute_dtype, device)
+        row.copy_(self.master)
+        return row
 
     def _split(self, row: torch.Tensor) -> list[torch.Tensor]:
         return [row[o : o + c] for o, c in zip(self.row.offsets, self.row.chunks)]
@@ -119,6 +144,11 @@ class Unit:
         return self.master.to(self.device, self.compute_dtype)  # the master itself when nothing changes
 
     @property
+    def staged_row(self) -> Optional[torch.Tensor]:
+        """The host copy-back row in the compute dtype (``staged_copy_back``, 16-bit training), else None."""
+        return self._staged
+
+    @property
     def kept_shard(self) -> Optional[torch.Tensor]:
         """The persistent 16-bit shard, or None where it is derived on demand (or is the fp32 master)."""
         return self._shard if self._shard is not self.master else None
@@ -126,7 +156,7 @@ class Unit:
     def grad_row(self) -> torch.Tensor:
         """The reduced gradient row (compute dtype), allocated as zeros on first use."""
         if self.grad is None:
-            self.grad = torch.zeros(self.row.numel, dtype=self.compute_dtype, device=self.state_device)
+            self.grad = self._zeros(self.row.numel, self.compute_dtype, self.state_device)
             self._grad_views = self._split(self.grad)
         return self.grad
 
@@ -172,9 +202,9 @@ class Unit:
         return torch.cat([s.full.view(group_size, c)[index] for s, c in zip(self.slots, layout.chunks)])
 
     def host_shard_views(self) -> Optional[list[torch.Tensor]]:
-        """Per-parameter views of the kept 16-bit shard when it sits beside the fp32 master (in host memory
-        under offload), so a host optimizer can write the recast in its own pass; else None."""
-        shard = self.kept_shard
+        """Per-parameter views of the 16-bit row beside the fp32 master (the kept shard in host memory, or
+        the staged copy-back row), so a host optimizer can write the recast in its own pass; else None."""
+        shard = self._staged if self._staged is not None else self.kept_shard
         if shard is None or shard.device != self.master.device or shard.dtype == torch.float32:
             return None
         return self._split(shard)
@@ -182,6 +212,19 @@ class Unit:
     def refresh_shard_from_master(self, recast: bool = True) -> None:
         """After the optimizer changed the masters: recast the 16-bit shard (``recast=False``: the optimizer
         already wrote it) and mark derived copies stale."""
-        if recast and self._shard is not None and self._shard is not self.master:
+        if not recast:
+            pass
+        elif self._uploads_shard:  # the device shard is filled by the upload of copy_back()
+            if self._staged is not None:
+                self._staged.copy_(self.master)
+        elif self._shard is not None and self._shard is not self.master:
             self._shard.copy_(self.master)
         self.version += 1
+
+    def copy_back(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """After the masters changed: ``(host row, device shard)`` to upload when the shard is device memory
+        apart from the masters (``staged_copy_back``), else None (the shard was written in place)."""
+        if not self._uploads_shard:
+            return None
+        assert self._shard is not None
+        return (self._staged if self._staged is not None else self.master), self._shard

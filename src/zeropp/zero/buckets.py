@@ -1,8 +1,11 @@
-"""Gradient buckets: ``add`` ready gradients -> a full bucket is reduced -> ``finish`` waits -> accumulate.
+"""Gradient buckets: ``add`` ready gradients -> a full bucket is reduced -> its row is copied to where the
+gradient rows live -> accumulate; ``finish`` drains all three stages.
 
 A bucket is laid out rank-major (row ``r`` holds chunk ``r`` of every parameter in it, see Note [shard
 layout] in ``partition/spec.py``), so the reduce strategy's result row is directly this rank's gradient
-shard of those parameters. One bucket's reduction stays in flight while backward fills the next.
+shard of those parameters. One bucket's reduction stays in flight while backward fills the next, and under
+optimizer offload one reduced row's download to the host (``offload/link.py``) stays in flight while the
+next bucket reduces: it is added into the host rows when the next one completes.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from itertools import groupby
 import torch
 
 from zeropp.comm.strategy import PendingReduce, ReduceStrategy
+from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit
 
@@ -32,6 +36,13 @@ class _InFlight:
 
 
 @dataclass
+class _Download:
+    transfer: Transfer
+    entries: list[_Entry]
+    row: torch.Tensor  # the reduced row on the device, held until its copy is added
+
+
+@dataclass
 class GradBuckets:
     """Collects full gradients until ``capacity`` padded elements, then reduces them as one bucket."""
 
@@ -39,9 +50,11 @@ class GradBuckets:
     world: int
     capacity: int
     residency: Resident = field(default_factory=Resident)  # NVMe: a unit's gradient row is read back to add
+    link: HostLink = field(default_factory=HostLink)  # how reduced rows reach the gradient rows (offload: host)
     _ready: list[_Entry] = field(default_factory=list)
     _size: int = 0
     _inflight: list[_InFlight] = field(default_factory=list)
+    _downloads: list[_Download] = field(default_factory=list)
 
     def add(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
         self._ready.append(_Entry(unit, slot, grad))
@@ -76,9 +89,21 @@ class GradBuckets:
         self.flush()
         while self._inflight:
             self._complete(self._inflight.pop(0))
+        while self._downloads:
+            self._accumulate(self._downloads.pop(0))
 
     def _complete(self, job: _InFlight) -> None:
+        """The reduction finished: start its row's copy out and add the copies before it (and this one too
+        when nothing is in flight: the host is the device)."""
         row = job.pending.finish()
+        transfer = self.link.download(row)
+        self._downloads.append(_Download(transfer, job.entries, row))
+        keep = 0 if transfer.done else 1
+        while len(self._downloads) > keep:
+            self._accumulate(self._downloads.pop(0))
+
+    def _accumulate(self, job: _Download) -> None:
+        row = job.transfer.wait()
         off = 0
         for unit, entries in groupby(job.entries, key=lambda e: e.unit):  # one row in memory at a time
             with self.residency.grads(unit):
@@ -89,6 +114,8 @@ class GradBuckets:
                     off += c
 
     def held_bytes(self) -> int:
-        """Bytes of full gradients waiting in buckets (ready, or in a reduction still in flight)."""
+        """Bytes of gradients waiting in buckets: full ones (ready, or in a reduction still in flight) and
+        reduced rows still being copied to the host."""
         ready = sum(e.grad.numel() * e.grad.element_size() for e in self._ready if e.grad is not None)
-        return ready + sum(job.bucket.numel() * job.bucket.element_size() for job in self._inflight)
+        copying = sum(job.row.numel() * job.row.element_size() for job in self._downloads)
+        return ready + copying + sum(job.bucket.numel() * job.bucket.element_size() for job in self._inflight)

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather, ReduceStrategy
+from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition.assign import plan_units
 from zeropp.partition.meta import MetaMaterializer
@@ -137,9 +138,12 @@ class ZeroEngine:
         config: Any = None,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
         residency: Optional[Resident] = None,
+        link: Optional[HostLink] = None,
     ) -> None:
         self.module = module
         self.residency = residency or Resident()  # where model states wait between uses (NVMe or memory)
+        self.link = link or HostLink()  # how offloaded rows cross between device and host
+        self._uploads: dict[Unit, Transfer] = {}  # 16-bit shards on their way up after a step
         self.config = config  # the validated config it was built from (recorded in checkpoint manifests)
         self.topo = topo
         self.ledger = ledger
@@ -151,7 +155,8 @@ class ZeroEngine:
         self._cast_buffers(policy.compute_dtype)
         self.shard_world = topo.world_size if self.plan.shards_optimizer else 1
         self.units, trainable = self._build_units(module, param_init_fn, trainable)
-        self.buckets = GradBuckets(strategies.reduce, self.shard_world, policy.reduce_bucket_size, self.residency)
+        self.buckets = GradBuckets(strategies.reduce, self.shard_world, policy.reduce_bucket_size, self.residency,
+                                   self.link if policy.offload_optimizer else HostLink())
         if not self.plan.shards_weights:
             self._gather_resident(Phase.OTHER)
         masters = [
@@ -206,7 +211,8 @@ class ZeroEngine:
                         self.policy.compute_dtype,
                         keep_shard=self.plan.shards_weights or self.residency.swaps_states,
                         alias_fp32_shard=self.policy.delayed_update_after is None and not swaps,
-                        host_masters=self.policy.offload_optimizer, host_shard=self.policy.offload_param)
+                        host_masters=self.policy.offload_optimizer, host_shard=self.policy.offload_param,
+                        host_zeros=self.link.host_zeros, staged_copy_back=self.link.distinct)
             self.residency.adopt(unit)
             if self.plan.shards_weights:
                 plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
@@ -241,6 +247,7 @@ class ZeroEngine:
     def _gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
         for unit in self.units:
+            self._await_upload(unit)
             rows, layout = self.strategies.forward_gather.start(unit, phase).finish()
             unit.materialize(rows, layout)
 
@@ -249,7 +256,23 @@ class ZeroEngine:
         be brought in (NVMe buffers busy: the prefetch is skipped)."""
         if not self.residency.shard_in(unit, optional=optional):
             return None
+        self._await_upload(unit)
         return self._strategy(which).start(unit, _LEDGER_PHASE[which])
+
+    def _await_upload(self, unit: Unit) -> None:
+        """Optimizer offload: order the gather after the upload of the shard the last step wrote."""
+        upload = self._uploads.pop(unit, None)
+        if upload is not None:
+            upload.wait()
+
+    def _copy_back(self, unit: Unit) -> None:
+        """Optimizer offload with device memory apart from the host: start uploading the updated shard."""
+        pair = unit.copy_back()
+        if pair is None:
+            return
+        self._uploads[unit] = self.link.upload(*pair)
+        if self.residency.swaps_states:  # the source may be an fp32 master that leaves memory next
+            self.link.settle()
 
     # ---- hooks -------------------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit) -> Callable:
@@ -422,6 +445,7 @@ class ZeroEngine:
         """
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         cache: dict[Unit, torch.Tensor] = {}
+        self.link.settle()  # the host rows are written below: no upload may still read them
 
         def fp32_grad(u: Unit) -> torch.Tensor:
             # .float() of an fp32 row is the row itself, which is zeroed below while a background update may
@@ -462,6 +486,7 @@ class ZeroEngine:
                         for view in u.master_views():
                             view.grad = None
                         u.refresh_shard_from_master(recast=u not in fused)
+                        self._copy_back(u)
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
                 if not self.plan.shards_weights:
@@ -529,6 +554,7 @@ class ZeroEngine:
         for u in self.units:
             with self.residency.resident([u]):
                 u.refresh_shard_from_master()
+                self._copy_back(u)
         if not self.plan.shards_weights:
             self._gather_resident(phase)
 
@@ -538,6 +564,7 @@ class ZeroEngine:
         Collective (every rank calls it at the same points): weight loads, state-dict and checkpoint calls
         and the next optimizer step call it first.
         """
+        self.link.settle()  # callers write the masters next: no upload may still read them
         if self._update is None:
             return
         update, self._update = self._update, None
@@ -653,7 +680,7 @@ class ZeroEngine:
 
         out = {
             "master_fp32": sum(size(u.master) for u in self.units),
-            "shard_16bit": sum(size(u.kept_shard) for u in self.units),
+            "shard_16bit": sum(size(u.kept_shard) + size(u.staged_row) for u in self.units),
             "grad_shard": sum(size(u.grad) for u in self.units),
             "optimizer_state": 0,
             "gathered_params": sum(size(s.full) for u in self.units for s in u.slots),
