@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-gpu bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,11 @@ demo: $(STAMP)
 	$(BIN)/zeropp train
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests/unit tests/dist
+
+# on a machine with a CUDA device and a CUDA build of torch
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q tests/gpu
 
 bench: $(STAMP)
 	# DS_BUILD_OPS=0: DeepSpeed (the bench extra) installs without compiling CUDA ops and keeps the pinned torch.

@@ -4,13 +4,15 @@ DeepSpeed's DeepSpeedCPUAdam, on fp32 parameters of 1e7 and 1e8 elements, in one
 AdamW with lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, on torch.get_num_threads() threads.
 Timing: every optimizer owns one parameter of n elements, all read one shared gradient tensor (never written
 by any of them). Round-robin rounds, one untimed warm-up round first: per round each fast optimizer (zeropp,
-zeropp+bf16, zeropp_inexact, torch fused, torch fused+copy, DeepSpeed; in an order rotated every round) takes
+zeropp+bf16, zeropp_inexact, torch fused, torch fused+copy, DeepSpeed, DeepSpeed+copy; in an order rotated
+every round) takes
 --inner consecutive steps and the round keeps its fastest, then each slow one (torch foreach, torch
 single-tensor) takes one step. Throughput (parameters updated per second)
 comes from per-optimizer medians; speedups are medians of per-round ratios, which cancels most of the
 background load of a shared machine. "zeropp+bf16" also writes the updated value into a bf16 copy in the same
-pass (ZeRO-Offload's copy-back into the 16-bit shard); "torch_fused+copy" is the same without fusion: the
-fused step, then ``shard16.copy_(master)``. "zeropp_inexact" is ``CpuAdam(exact=False)``: DeepSpeed's shorter
+pass (ZeRO-Offload's copy-back into the 16-bit shard); "torch_fused+copy" and "deepspeed+copy" are the same
+without fusion: the step, then ``shard16.copy_(master)`` (what DeepSpeed's ZeRO-Offload does after its CPU
+Adam step). The offload step the engine runs is the "+bf16"/"+copy" one. "zeropp_inexact" is ``CpuAdam(exact=False)``: DeepSpeed's shorter
 operation sequence, not bit-exact.
 
 Agreement (a separate run, --agree-n parameters, --agree-steps steps on fresh random gradients): each
@@ -96,6 +98,7 @@ def make_optimizers(n: int, p0: torch.Tensor, grad: torch.Tensor, ds_cls: type |
     add("torch_fused+copy", lambda ps: torch.optim.AdamW(ps, **HP, fused=True))
     if ds_cls is not None:
         add("deepspeed", lambda ps: ds_cls(ps, **HP, adamw_mode=True))
+        add("deepspeed+copy", lambda ps: ds_cls(ps, **HP, adamw_mode=True))
     add("torch_foreach", lambda ps: torch.optim.AdamW(ps, **HP, foreach=True))
     add("torch_single", lambda ps: torch.optim.AdamW(ps, **HP, foreach=False))
     bf16 = torch.empty(n, dtype=torch.bfloat16)
@@ -109,6 +112,14 @@ def make_optimizers(n: int, p0: torch.Tensor, grad: torch.Tensor, ds_cls: type |
         bf16_t.copy_(params["torch_fused+copy"].detach())
 
     steps["torch_fused+copy"] = fused_then_copy
+    if ds_cls is not None:
+        bf16_d = torch.empty(n, dtype=torch.bfloat16)
+
+        def deepspeed_then_copy() -> None:
+            opts["deepspeed+copy"].step()
+            bf16_d.copy_(params["deepspeed+copy"].detach())
+
+        steps["deepspeed+copy"] = deepspeed_then_copy
     return params, opts, steps, bf16
 
 
@@ -134,7 +145,8 @@ def agreement(n: int, nsteps: int, ds_cls: type | None) -> dict:
     return {"numel": n, "steps": nsteps, "results": rows}
 
 
-FAST = ("zeropp", "zeropp+bf16", "zeropp_inexact", "torch_fused", "torch_fused+copy", "deepspeed")
+FAST = ("zeropp", "zeropp+bf16", "zeropp_inexact", "torch_fused", "torch_fused+copy", "deepspeed",
+        "deepspeed+copy")
 
 
 def bench_size(n: int, args: argparse.Namespace, ds_cls: type | None) -> dict:
@@ -169,10 +181,15 @@ def bench_size(n: int, args: argparse.Namespace, ds_cls: type | None) -> dict:
                                          for o in others}}
     rows["zeropp_inexact"]["speedup_vs_fastest_other"] = statistics.median(
         t_o / t_z for t_z, t_o in zip(times["zeropp_inexact"], times[fastest]))
-    rows["zeropp+bf16"]["speedup_vs_torch_fused+copy"] = statistics.median(
-        t_o / t_z for t_z, t_o in zip(times["zeropp+bf16"], times["torch_fused+copy"]))
+    copies = [k for k in ("torch_fused+copy", "deepspeed+copy") if k in times]
+    for o in copies:
+        rows["zeropp+bf16"][f"speedup_vs_{o}"] = statistics.median(
+            t_o / t_z for t_z, t_o in zip(times["zeropp+bf16"], times[o]))
+    fastest_copy = min(copies, key=lambda k: med[k])
     return {"numel": n, "rounds": args.reps, "fastest_other": fastest, "results": rows,
-            "zeropp_vs_fastest_other": rows["zeropp"]["zeropp_speedup"][fastest]}
+            "zeropp_vs_fastest_other": rows["zeropp"]["zeropp_speedup"][fastest],
+            "offload_step": {"fastest_other": fastest_copy,
+                             "zeropp+bf16_vs_fastest_other": rows["zeropp+bf16"][f"speedup_vs_{fastest_copy}"]}}
 
 
 def verify_sqrt_exhaustive() -> dict:
@@ -247,7 +264,9 @@ def main() -> None:
         print("zeropp speedup (median of per-round ratios):",
               {k: round(v, 3) for k, v in case["results"]["zeropp"]["zeropp_speedup"].items()})
         print("zeropp_inexact vs fastest other:", round(case["results"]["zeropp_inexact"]["speedup_vs_fastest_other"], 3))
-        print("zeropp+bf16 vs torch_fused+copy:", round(case["results"]["zeropp+bf16"]["speedup_vs_torch_fused+copy"], 3))
+        off = case["offload_step"]
+        print(f"offload step (with the 16-bit copy): zeropp+bf16 vs fastest other ({off['fastest_other']}): "
+              f"{off['zeropp+bf16_vs_fastest_other']:.3f}x")
         meta["load_average_at_end"] = os.getloadavg()[0]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -93,16 +93,18 @@ def _pin_memory(zero: ZeroConfig) -> bool:
 
 
 def _ensure_process_group() -> None:
-    """Join torchrun's process group (gloo on CPU, NCCL on CUDA); a lone process forms a world of one."""
+    """Join torchrun's process group (gloo for host tensors, NCCL for CUDA ones, chosen per tensor where
+    CUDA is present); a lone process forms a world of one."""
     if dist.is_initialized():
         return
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         return
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend)
 
 
 def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:

@@ -113,6 +113,29 @@ def test_fused_16bit_copy(dtype):
     assert torch.equal(shard16.view(-1), p.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_16bit_copy_of_special_values_equals_torchs_cast(dtype):
+    """Denormals, infinities, rounding ties and values beyond fp16's range equal torch's cast bit for bit (the
+    fast bf16 conversion instruction reads denormals as zero, so their vectors take another path). NaNs of
+    either sign stay NaNs; their bit pattern is not compared (torch's own cast writes 0xFFFF or 0x7FC0
+    depending on whether the lane is in a vector or in the scalar tail)."""
+    bits = torch.tensor([0x00000001, 0x007FFFFF, 0x80400000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7F800000,
+                         0xFF800000, 0x3F808000, 0x3F818000, 0x477FF000, 0x00000000, 0x80000000, 0x3F800001],
+                        dtype=torch.int64).to(torch.int32)
+    rng = torch.Generator().manual_seed(3)
+    values = torch.cat([bits.view(torch.float32), torch.randn(4096, generator=rng) * 1e-38,
+                        torch.randn(4096, generator=rng) * 7e4])
+    values = values[torch.randperm(values.numel(), generator=rng)]  # special lanes spread over the vectors
+    p = torch.nn.Parameter(values.clone())
+    p.grad = torch.zeros_like(p)
+    out = torch.empty(p.numel(), dtype=dtype)
+    CpuAdam([p], lr=0.0, weight_decay=0.0).step_and_copy({p: out})
+    expect = p.detach().to(dtype)
+    nan = expect.isnan()
+    assert nan.sum() == 3 and torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(torch.int16)[~nan], expect.view(torch.int16)[~nan])
+
+
 def test_torch_fallback_path_is_the_reference():
     ours, ref, *_ = _run_pair(lambda ps: _forced(CpuAdam(ps, weight_decay=0.01), "torch"),
                               lambda ps: torch.optim.AdamW(ps, weight_decay=0.01, foreach=False), steps=3)

@@ -154,6 +154,15 @@ static inline vf sqrt_mkl_sse_v(vf x) {
     return rare ? _mm512_mask_sqrt_ps(r, rare, x) : r;
 }
 static inline void store16(uint16_t* o, vf x, int out) {
+#if defined(__AVX512BF16__)
+    /* vcvtneps2bf16 rounds to nearest even like torch but reads denormal inputs as zero: vectors holding
+       one (rare) take the integer path below. A NaN stays a NaN either way (its bit pattern may differ
+       from torch's cast, which itself writes 0xFFFF in vector lanes and 0x7FC0 in scalar tails). */
+    if (out == 1 && !_mm512_fpclass_ps_mask(x, 0x20)) { /* no denormal lane */
+        _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(x));
+        return;
+    }
+#endif
     if (out == 1) {
         __m512i u = _mm512_castps_si512(x);
         __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
