@@ -97,7 +97,7 @@ def _ensure_process_group() -> None:
     CUDA is present); a lone process forms a world of one."""
     if dist.is_initialized():
         return
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

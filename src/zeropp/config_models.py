@@ -143,7 +143,7 @@ class OffloadOptimizerConfig(Section):
                               "\"nvme\"; created if missing; space reserved at start-up).")
     pin_memory: bool = F(False, doc="On CUDA: page-locked host rows and copy buffers, so gradient downloads "
                          "and 16-bit uploads run asynchronously beside compute. No effect for a model on the "
-                         "CPU.", status=STATUS_TUNING)
+                         "CPU.")
     buffer_count: DSInt = F(4, ge=1, doc="With device \"nvme\": how many units' optimizer records (master, "
                             "gradient row, Adam moments) may be in memory at once; 2 or more lets the next "
                             "unit's record be read while one is stepped.")
@@ -172,7 +172,7 @@ class OffloadParamConfig(Section):
     nvme_path: str | None = F(None, doc="Directory for the per-rank parameter file (required with device "
                               "\"nvme\").")
     pin_memory: bool = F(False, doc="On CUDA: page-locked host rows (as offload_optimizer.pin_memory; "
-                         "either one turns it on). No effect for a model on the CPU.", status=STATUS_TUNING)
+                         "either one turns it on). No effect for a model on the CPU.")
     buffer_count: DSInt = F(5, ge=1, doc="With device \"nvme\" (at least 2): how many shards may be in memory "
                             "at once (the unit being gathered, the prefetched gather, the shards read ahead).")
     buffer_size: DSInt = F(100_000_000, ge=1, doc="With device \"nvme\": elements per buffer; every unit's "

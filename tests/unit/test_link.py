@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from zeropp.offload.link import HostLink, ThreadedLink, build_link
@@ -57,5 +56,4 @@ def test_build_link_picks_by_device():
     assert type(build_link(torch.device("cpu"), True, True)) is HostLink
     assert type(build_link(torch.device("meta"), True, False)) is HostLink
     assert type(build_link(torch.device("cuda", 0), False, False)) is HostLink  # nothing offloaded
-    with pytest.raises(NotImplementedError, match="offload_optimizer.*'xpu'"):
-        build_link(torch.device("xpu"), True, False)
+    assert type(build_link(torch.device("xpu"), True, False)) is HostLink  # synchronous copies where used

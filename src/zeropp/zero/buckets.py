@@ -96,6 +96,8 @@ class GradBuckets:
         """The reduction finished: start its row's copy out and add the copies before it (and this one too
         when nothing is in flight: the host is the device)."""
         row = job.pending.finish()
+        if self.link.distinct:  # cast before the copy, not after: half the bytes, the same rounding
+            row = row.to(job.entries[0].unit.compute_dtype)
         transfer = self.link.download(row)
         self._downloads.append(_Download(transfer, job.entries, row))
         keep = 0 if transfer.done else 1

@@ -271,8 +271,8 @@ class ZeroEngine:
         if pair is None:
             return
         self._uploads[unit] = self.link.upload(*pair)
-        if self.residency.swaps_states:  # the source may be an fp32 master that leaves memory next
-            self.link.settle()
+        if self.residency.swaps_states and unit.staged_row is None:  # fp32: the source is the master, which
+            self.link.settle()                                          # NVMe swaps out next
 
     # ---- hooks -------------------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit) -> Callable:
@@ -551,6 +551,7 @@ class ZeroEngine:
     def _publish_masters(self, phase: Phase) -> None:
         """Make the masters the weights: recast the 16-bit shards, bump versions (stale hpZ slices), and in
         stages 0-2 rebuild the resident full weights. Collective for stages 0-2."""
+        self.link.settle()  # the staged rows are rewritten below
         for u in self.units:
             with self.residency.resident([u]):
                 u.refresh_shard_from_master()
@@ -570,6 +571,7 @@ class ZeroEngine:
         update, self._update = self._update, None
         update.wait()
         self._publish_masters(Phase.FORWARD_GATHER)
+        self.link.settle()
 
     def _report_non_finite(self) -> None:
         bad = []
@@ -661,7 +663,9 @@ class ZeroEngine:
 
         ``gathered_params`` are full weights (resident in stages 0-2; 0 between steps in stage 3),
         ``full_grads`` whole gradients accumulating before the boundary (stages 0-1) and ``bucket_grads`` whole
-        gradients waiting in reduce buckets (during backward). Tensors offloaded to NVMe hold no memory and
+        gradients waiting in reduce buckets and reduced rows still on their way to the host (during
+        backward). ``shard_16bit`` includes the host row staged for upload under optimizer offload from a
+        separate device. Tensors offloaded to NVMe hold no memory and
         count 0 here (see :meth:`offload_report`).
 
         Optimizer state counts the tensors shaped like a shard (Adam's moments, SGD's momentum); per
