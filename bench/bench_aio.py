@@ -31,6 +31,7 @@ import torch
 
 from zeropp.offload import AioPool
 from zeropp.offload.aio import aligned_empty
+from results_io import write_results
 
 GiB = 1 << 30
 
@@ -142,10 +143,7 @@ def main() -> None:
         pool.close()
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({k: result[k] for k in ("meta", "GB_per_s", "ratios")}, indent=1))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

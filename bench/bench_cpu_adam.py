@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from zeropp.offload import CpuAdam, kernel_info
+from results_io import write_results
 
 HP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
@@ -268,10 +269,7 @@ def main() -> None:
         print(f"offload step (with the 16-bit copy): zeropp+bf16 vs fastest other ({off['fastest_other']}): "
               f"{off['zeropp+bf16_vs_fastest_other']:.3f}x")
         meta["load_average_at_end"] = os.getloadavg()[0]
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "agreement": agree, "cases": cases}, f, indent=1)
-    print(f"\nwrote {args.out}")
+    write_results(args.out, {"meta": meta, "agreement": agree, "cases": cases})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ it gains most when the step is a large part of the iteration (big models, few to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -20,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from support.world import run_world  # noqa: E402
+from results_io import RESULTS, write_results  # noqa: E402
 
 WARMUP = 3
 
@@ -61,9 +61,7 @@ def main() -> None:
     args = p.parse_args()
     res = run_world(worker, args.world, args.steps, args.rounds, args.n_embd)[0]
     res["ratio_on_over_off"] = res["median_on"] / res["median_off"]
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "dpu.json"), "w") as f:
-        json.dump(vars(args) | res, f, indent=1)
+    write_results(os.path.join(RESULTS, "dpu.json"), vars(args) | res)
     print("| parameters | ranks | step time, DPU off | step time, DPU on | ratio |")
     print("|---|---|---|---|---|")
     print(f"| {res['parameters']:,} | {args.world} | {res['median_off'] * 1e3:.0f} ms | "

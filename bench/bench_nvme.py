@@ -38,6 +38,7 @@ import zeropp
 from zeropp.demo.data import corpus_tokens, get_batch
 from zeropp.demo.model import GPT, GPTConfig
 from zeropp.offload.cpu_adam import CpuAdam
+from results_io import write_results
 
 SETTINGS = ("memory", "cpu_unfused", "cpu", "nvme_opt", "nvme_all")
 
@@ -153,10 +154,7 @@ def main() -> None:
            "sources": sources.strip(), "args": vars(args), "parameters": rows["memory"][0]["parameters"],
            "summary": summary, "losses_identical": same, "rows": rows, "copies": copies,
            "threads": torch.get_num_threads()}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

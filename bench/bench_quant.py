@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -30,6 +29,7 @@ import torch
 
 from zeropp.quant import BlockLayout, QuantizedRows, dequantize, fast_available, payload_bytes, quantize
 from zeropp.quant import blockwise
+from results_io import write_results
 
 MB = 1 << 20
 
@@ -134,14 +134,11 @@ def main() -> None:
               f"| {g['fast_out']:.1f} | {g['fast_alloc']:.1f} | {c['ratio_spec_vs_copy']:.3f} "
               f"| {c['ratio_fast_out_vs_copy']:.2f} | {c['ratio_fast_alloc_vs_copy']:.2f} "
               f"| {c['ratio_fast_alloc_vs_clone']:.2f} |")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "fast_available": have_fast, "warmup": args.warmup,
             "block_size": args.block_size,
             "reps": args.reps, "spec_reps": args.spec_reps}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "cases": cases}, f, indent=1)
-    print(f"\nwrote {args.out}")
+    write_results(args.out, {"meta": meta, "cases": cases})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ times both on the same bf16 bucket, checks they agree, and writes bench/results/
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from support.world import run_world  # noqa: E402
+from results_io import RESULTS, write_results  # noqa: E402
 
 
 def worker(rank: int, world: int, mb: int, reps: int) -> dict:
@@ -62,9 +62,7 @@ def main() -> None:
     args = p.parse_args()
     res = run_world(worker, args.world, args.mb, args.reps)[0]
     res["ratio_all_to_all_over_gloo"] = res["all_to_all_sum"] / res["gloo_reduce_scatter"]
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "reduce.json"), "w") as f:
-        json.dump(vars(args) | res, f, indent=1)
+    write_results(os.path.join(RESULTS, "reduce.json"), vars(args) | res)
     print("| world | bucket | gloo reduce_scatter_tensor | all-to-all + fp32 sum | ratio | max abs diff |")
     print("|---|---|---|---|---|---|")
     print(f"| {args.world} | {args.mb} MiB bf16 | {res['gloo_reduce_scatter']*1e3:.0f} ms | "
