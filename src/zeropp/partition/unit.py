@@ -91,14 +91,8 @@ class Unit:
         self.device = device or (torch.device("cpu") if first.type == "meta" else first)
         self.state_device = torch.device("cpu") if host_masters else self.device
         host = torch.device("cpu")
-
-        def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            if device == host and host_zeros is not None:
-                return host_zeros(numel, dtype)
-            return torch.zeros(numel, dtype=dtype, device=device)
-
-        self._zeros = zeros
-        self.master = zeros(self.row.numel, torch.float32, self.state_device)
+        self._host_zeros = host_zeros
+        self.master = self._zeros(self.row.numel, torch.float32, self.state_device)
         for (name, p), off, c in zip(named_params, self.row.offsets, self.row.chunks):
             spec = ShardSpec(p.numel(), p.shape, world)
             with torch.no_grad():
@@ -123,6 +117,12 @@ class Unit:
         self.grad: Optional[torch.Tensor] = None  # allocated at first use: see grad_row()
         self._grad_views: list[torch.Tensor] = []
         self.release()
+
+    def _zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A row of zeros; host rows come from the host link's allocator when one was given."""
+        if device.type == "cpu" and self._host_zeros is not None:
+            return self._host_zeros(numel, dtype)
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     def _copy_of_master(self, device: torch.device) -> torch.Tensor:
         row = self._zeros(self.row.numel, self.compute_dtype, device)
@@ -212,13 +212,10 @@ class Unit:
     def refresh_shard_from_master(self, recast: bool = True) -> None:
         """After the optimizer changed the masters: recast the 16-bit shard (``recast=False``: the optimizer
         already wrote it) and mark derived copies stale."""
-        if not recast:
-            pass
-        elif self._uploads_shard:  # the device shard is filled by the upload of copy_back()
-            if self._staged is not None:
-                self._staged.copy_(self.master)
-        elif self._shard is not None and self._shard is not self.master:
-            self._shard.copy_(self.master)
+        # with an upload (copy_back), the staged row is what the host writes; fp32 uploads the master itself
+        target = self._staged if self._uploads_shard else self._shard
+        if recast and target is not None and target is not self.master:
+            target.copy_(self.master)
         self.version += 1
 
     def copy_back(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
