@@ -17,6 +17,7 @@ The engine holds no ZeRO++ flag: which gather and reduce run is decided by the s
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
@@ -38,8 +39,10 @@ from zeropp.partition.assign import plan_units
 from zeropp.partition.meta import MetaMaterializer
 from zeropp.partition.unit import Unit, UnitState
 from zeropp.topology import Topology
+from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
 from zeropp.zero.loss_scaler import LossScaler
+from zeropp.zero.param_use import ParamUse
 
 log = logging.getLogger("zeropp")
 
@@ -155,6 +158,10 @@ class ZeroEngine:
         self._cast_buffers(policy.compute_dtype)
         self.shard_world = topo.world_size if self.plan.shards_optimizer else 1
         self.units, trainable = self._build_units(module, param_init_fn, trainable)
+        # stage 3: reads of a parameter outside its unit's forward (Note [external reads])
+        self.use = ParamUse(module, self.units, lambda u: self._gather(u, self._pass()),
+                            lambda u: self._release(u, self._pass()),
+                            lambda: self._backward_open) if self.plan.shards_weights else None
         self.buckets = GradBuckets(strategies.reduce, self.shard_world, policy.reduce_bucket_size, self.residency,
                                    self.link if policy.offload_optimizer else HostLink())
         if not self.plan.shards_weights:
@@ -172,6 +179,7 @@ class ZeroEngine:
         self.lr_scheduler = make_scheduler(self.optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
+        self._forward_seen: set[Unit] = set()  # units gathered in this forward (a second gather: reuse)
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._grads_missing: dict[Unit, int] = {}
         self._backward_open = False
@@ -181,6 +189,7 @@ class ZeroEngine:
         self._skipped = False
         self._update: Optional[_BackgroundUpdate] = None
         self.ledger.reset()  # set-up traffic is not a training step
+        gathered.track(self)  # so zeropp.zero.GatheredParameters finds the engine of a parameter
 
     # ---- construction ------------------------------------------------------------------------------------
     def _cast_buffers(self, dtype: torch.dtype) -> None:
@@ -217,7 +226,6 @@ class ZeroEngine:
             if self.plan.shards_weights:
                 plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
                 plan.module.register_forward_hook(self._make_post_forward(unit))
-                self._guard_inner_modules(module, plan.module_name, unit)
             for slot_index, slot in enumerate(unit.slots):
                 if slot.param.requires_grad and self.plan.reduces_as_ready:
                     slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
@@ -227,22 +235,6 @@ class ZeroEngine:
             if trainable is not None:
                 trainable = {id(meta.replaced[pid]) if pid in meta.replaced else pid for pid in trainable}
         return units, trainable
-
-    def _guard_inner_modules(self, root: nn.Module, unit_name: str, unit: Unit) -> None:
-        """A unit lifted to a block is gathered by the block's forward; a module inside it that runs on its
-        own (outside that forward) would meet freed weights, so it raises naming both instead."""
-        held = {id(s.param) for s in unit.slots}
-        prefix = unit_name + "." if unit_name else ""
-        for name, mod in root.named_modules():
-            if not name.startswith(prefix) or name == unit_name:
-                continue
-            if any(id(p) in held for p in mod.parameters(recurse=False)):
-                def guard(module: nn.Module, args: Any, name: str = name) -> None:
-                    if unit.state is not UnitState.GATHERED:
-                        raise RuntimeError(
-                            f"module {name!r} ran outside the forward of {unit_name!r}, which gathers its "
-                            "weights; set zero_optimization.gather_granularity to \"module\" for this model")
-                mod.register_forward_pre_hook(guard)
 
     def _gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
@@ -275,18 +267,28 @@ class ZeroEngine:
             self.link.settle()                                          # NVMe swaps out next
 
     # ---- hooks -------------------------------------------------------------------------------------------
+    def _pass(self) -> Pass:
+        return Pass.BACKWARD if self._backward_open else Pass.FORWARD
+
     def _make_pre_forward(self, unit: Unit) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            current = Pass.BACKWARD if self._backward_open else Pass.FORWARD
+            current = self._pass()
+            again = current is Pass.FORWARD and unit in self._forward_seen and unit.state is UnitState.SHARDED
             self._gather(unit, current)
+            if again and self.use is not None:  # a module called twice: keep it for the second call next time
+                self.use.learn(unit, unit.module_name)
         return hook
 
     def _make_post_forward(self, unit: Unit) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if torch.is_grad_enabled() and unit.needs_grad():
-                self._hook_outputs_for_backward(unit, output)
-            current = Pass.BACKWARD if self._backward_open else Pass.FORWARD
-            self._release(unit, current)
+            if torch.is_grad_enabled():
+                if unit.needs_grad():
+                    self._hook_outputs_for_backward(unit, output)
+                elif self.use is not None:
+                    self.use.hold_until_inputs_grad(unit, args)
+            if self.use is not None and self.use.defer(unit):
+                return
+            self._release(unit, self._pass())
         return hook
 
     def _hook_outputs_for_backward(self, unit: Unit, output: Any) -> None:
@@ -318,6 +320,8 @@ class ZeroEngine:
             return
         order = self._order[which]
         order.append(unit)
+        if which is Pass.FORWARD:
+            self._forward_seen.add(unit)
         pending = self._inflight.pop(unit, None) or self._start_gather(unit, which)
         assert pending is not None
         self._prefetch(which, len(order) - 1)
@@ -361,10 +365,12 @@ class ZeroEngine:
         )
         args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         self._order[Pass.FORWARD] = []
-        if not self.plan.shards_weights:
+        self._forward_seen = set()
+        if self.use is None:
             return self.module(*args, **kwargs)
         try:
-            return self.module(*args, **kwargs)
+            with self.use.watching():
+                return self.module(*args, **kwargs)
         finally:
             self._drain_prefetches(Pass.FORWARD)
             for unit in self.units:  # a unit whose forward raised is still gathered
@@ -382,8 +388,10 @@ class ZeroEngine:
         self._backward_open = True
         self._grads_missing = {}
         self._order[Pass.BACKWARD] = []
+        watch = self.use.watching() if self.use is not None else contextlib.nullcontext()
         try:
-            (loss * (scale / gas) if scale != 1.0 or gas > 1 else loss).backward()
+            with watch:
+                (loss * (scale / gas) if scale != 1.0 or gas > 1 else loss).backward()
         finally:
             self._finish_backward()
 

@@ -1,0 +1,130 @@
+"""``GatheredParameters``: full parameters outside the forward, to read them or to change them on one rank.
+
+Under stage 3 a parameter has no storage between its unit's forward and backward. DeepSpeed's context
+manager gives code outside the training step (initialization, surgery on embeddings, inspection) the
+full values; with ``modifier_rank=r`` the values rank ``r`` holds at exit become the parameters on every
+rank: its shards, the fp32 masters and (by the version bump) every hpZ secondary slice. Unlike
+DeepSpeed's, the masters follow the change, so the optimizer steps the new values.
+
+Values come from the fp32 masters over a plain all-gather (never qwZ's quantized one), cast to the
+compute dtype, so what is read is exactly the 16-bit shard the next forward would gather. A parameter
+that rank ``r`` left unchanged keeps its fp32 master bit for bit; a changed one takes the new 16-bit value.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from zeropp.comm.ledger import Phase
+from zeropp.partition.unit import ParamSlot, Unit, UnitState
+from zeropp.zero.param_use import register_external_parameter
+
+if TYPE_CHECKING:
+    from zeropp.zero.engine import ZeroEngine
+
+_ENGINES: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()  # live engines, to find a parameter's owner
+
+
+def track(engine: "ZeroEngine") -> None:
+    """Called by each engine at construction, so GatheredParameters can find who manages a parameter."""
+    _ENGINES.add(engine)
+
+
+class _Opened:
+    """What one engine gathered for the context: units, the given parameters' slots, values at entry."""
+
+    def __init__(self, engine: "ZeroEngine", ids: set[int], snapshot: bool) -> None:
+        self.engine = engine
+        self.units = [u for u in engine.units if any(id(s.param) in ids for s in u.slots)]
+        self.slots = [(u, s) for u in self.units for s in u.slots if id(s.param) in ids]
+        engine.join_update()
+        self.gathered = [u for u in self.units if u.state is UnitState.SHARDED]
+        world = engine.topo.world
+        for u in self.gathered:
+            rows = torch.empty(world.size, u.row.numel, dtype=torch.float32, device=u.device)
+            with engine.residency.resident([u], dirty=False):
+                engine.comm.all_gather(rows, u.master.to(u.device), world, Phase.OTHER)
+            u.materialize(rows.to(u.compute_dtype), u.row)
+        self.before = {id(s): _flat(s).clone() for _, s in self.slots} if snapshot else {}
+
+    def publish(self, modifier_rank: int) -> None:
+        """Broadcast rank ``modifier_rank``'s values and write the changed ones into the masters."""
+        engine = self.engine
+        for _, slot in self.slots:
+            engine.comm.broadcast(_flat(slot), modifier_rank, engine.topo.world, Phase.OTHER)
+        changed = [(u, s) for u, s in self.slots if not torch.equal(_flat(s), self.before[id(s)])]
+        if not changed:  # every rank compares the same broadcast values, so all take this branch together
+            return
+        by_unit: dict[Unit, set[int]] = {}
+        for u, s in changed:
+            by_unit.setdefault(u, set()).add(id(s))
+        with torch.no_grad():
+            for u, ids in by_unit.items():
+                with engine.residency.resident([u]):
+                    for slot, view in zip(u.slots, u.master_views()):
+                        if id(slot) in ids:
+                            start, stop = slot.spec.owned(u.rank)
+                            view.zero_()
+                            view[: stop - start].copy_(_flat(slot)[start:stop].float())
+        engine.masters_changed()  # recast shards, bump versions (stale hpZ slices), rebuild resident weights
+
+    def close(self) -> None:
+        for u in self.gathered:
+            if u.state is UnitState.GATHERED:
+                u.release()  # no hpZ slice is kept from an out-of-band gather
+
+
+def _flat(slot: ParamSlot) -> torch.Tensor:
+    return slot.full[: slot.spec.numel]
+
+
+class GatheredParameters:
+    """Gather full parameters for the duration of a ``with`` block (DeepSpeed's ``zero.GatheredParameters``).
+
+    ``params``: a parameter, an iterable of them, or None. Collective: every rank enters and leaves the
+    block together. ``modifier_rank=None`` gathers for reading; changes are discarded (and stages 0-2,
+    whose weights are resident, do not see them either way). ``modifier_rank=r`` makes rank ``r``'s values
+    at exit the parameters everywhere. ``fwd_module`` also registers the parameters as read by that module's
+    forward (:func:`register_external_parameter`). ``enabled=False`` does nothing. Parameters no engine
+    manages are left alone, as DeepSpeed does.
+    """
+
+    def __init__(self, params: Union[nn.Parameter, Iterable[nn.Parameter], None], modifier_rank: Optional[int] = None,
+                 fwd_module: Optional[nn.Module] = None, enabled: bool = True) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in (params or []) if p is not None]
+        if modifier_rank is not None and (not isinstance(modifier_rank, int) or modifier_rank < 0):
+            raise ValueError(f"GatheredParameters: modifier_rank must be None or a rank >= 0, got {modifier_rank!r}")
+        self.modifier_rank = modifier_rank
+        self.fwd_module = fwd_module
+        self.enabled = enabled
+        self._opened: list[_Opened] = []
+
+    def __enter__(self) -> "GatheredParameters":
+        if not self.enabled or not self.params:
+            return self
+        if self.fwd_module is not None:
+            for p in self.params:
+                register_external_parameter(self.fwd_module, p)
+        ids = {id(p) for p in self.params}
+        for engine in sorted(_ENGINES, key=id):  # one engine per model; sorted only for a fixed order
+            if self.modifier_rank is not None and self.modifier_rank >= engine.topo.world_size:
+                raise ValueError(f"GatheredParameters: modifier_rank {self.modifier_rank} is not a rank of the "
+                                 f"world of {engine.topo.world_size}")
+            if any(id(s.param) in ids for u in engine.units for s in u.slots):
+                self._opened.append(_Opened(engine, ids, snapshot=self.modifier_rank is not None))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        opened, self._opened = self._opened, []
+        try:
+            if exc_type is None and self.modifier_rank is not None:
+                for o in opened:
+                    o.publish(self.modifier_rank)
+        finally:
+            for o in opened:
+                o.close()

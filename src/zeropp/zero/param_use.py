@@ -1,0 +1,273 @@
+"""Stage 3: serve reads of a parameter outside its unit's forward, and learn how long to keep it gathered.
+
+Note [external reads]: a unit is gathered by its module's forward pre-hook and released by the post-hook.
+Eager PyTorch models also read a module's weight elsewhere: a parent ties its output projection to a
+child embedding (``h @ self.emb.weight.t()``), a sibling reads another module's parameter, a custom
+autograd function saves a weight that only its backward reads, a submodule of a block runs outside the
+block's forward. A released parameter has no storage, so such a read would crash torch, or read freed
+memory. While the engine runs the model's forward and backward, :class:`ParamUse` watches for them:
+
+* a ``TorchFunctionMode`` sees every torch call whose arguments include a managed parameter; a read of a
+  released one gathers its unit there and then (for the current pass). A call that only reads metadata
+  (shape, dtype, ``.grad``) gathers nothing. An in-place write is refused (:class:`ParameterAccessError`):
+  the gathered copy is dropped at release, so the write would be silently lost.
+* ``saved_tensors_hooks`` tag every saved tensor that shares a parameter's storage with its unit; unpacking
+  it in backward gathers the unit if it was released (the weight saved by a parent's matmul or a custom
+  function, a frozen module's weight needed for its input gradient).
+* Forward: a unit read outside its module's forward is kept gathered until the forward of the innermost
+  running module that contains it ends (its *span*), and the span is remembered, so from the next forward
+  on the unit is released there instead of after its own forward: one gather per pass, as the ledger's
+  formulas count. A unit gathered twice in one forward (a module called twice) learns a span the same way.
+* Backward: a trainable unit is released once all its gradients are in (by the engine), a frozen one once
+  the gradient of its module's inputs is computed (its backward is over).
+
+``register_external_parameter(module, param)`` declares a read in advance (DeepSpeed's API): the unit is
+gathered for ``module``'s forward, even on the first step and on paths no earlier step took.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections import Counter
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from zeropp.partition.unit import ParamSlot, Unit, UnitState
+
+log = logging.getLogger("zeropp")
+
+# module -> parameters it reads although another module owns them (register_external_parameter)
+_EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]]" = weakref.WeakKeyDictionary()
+
+# calls on a parameter that read no element: no gather for these
+_METADATA = frozenset({
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad", "grad_fn", "names",
+    "is_cuda", "is_meta", "is_sparse", "is_quantized", "is_cpu", "_version", "size", "dim", "numel",
+    "nelement", "ndimension", "element_size", "is_floating_point", "is_complex", "is_contiguous", "stride",
+    "get_device", "__len__", "__hash__", "requires_grad_", "retain_grad", "register_hook",
+    "register_post_accumulate_grad_hook", "_backward_hooks", "_post_accumulate_grad_hooks",
+})
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__",
+                              "__set__"})
+
+
+class ParameterAccessError(RuntimeError):
+    """A stage-3 parameter was used in a way the engine cannot serve (the message says which and why)."""
+
+
+def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Declare that ``module``'s forward reads ``param``, which another module owns (DeepSpeed's API).
+
+    Stage 3 then gathers ``param``'s unit before ``module``'s forward and keeps it until that forward ends.
+    Reads the engine sees are served without this; declaring them saves the first step's extra gather and
+    covers reads on paths that no earlier step took. Harmless at stages 0-2 and on unmanaged modules.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"register_external_parameter: param must be a parameter, got {type(param).__name__}")
+    held = _EXTERNAL.setdefault(module, [])
+    if not any(p is param for p in held):
+        held.append(param)
+
+
+def unregister_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter`."""
+    held = _EXTERNAL.get(module, [])
+    held[:] = [p for p in held if p is not param]
+
+
+def _call_name(func: Any) -> str:
+    """The attribute a torch-function call stands for (``add_``, ``shape`` for a property getter)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        owner = getattr(func, "__self__", None)
+        attr = getattr(owner, "__name__", "")
+        return "__set__" if name == "__set__" and attr not in _METADATA else attr
+    return name
+
+
+class _Saved:
+    """A saved tensor that shares a parameter's storage, with the unit to gather before it is read."""
+
+    __slots__ = ("unit", "tensor")
+
+    def __init__(self, unit: Unit, tensor: torch.Tensor) -> None:
+        self.unit, self.tensor = unit, tensor
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, use: "ParamUse") -> None:
+        super().__init__()
+        self.use = use
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        self.use.check_call(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class ParamUse:
+    """Finds and serves stage-3 parameter reads outside their unit's forward (Note [external reads]).
+
+    ``gather(unit)`` gathers a unit for the pass in progress, ``release(unit)`` releases it, and
+    ``backward_open()`` tells which pass that is; the engine owns all three.
+    """
+
+    def __init__(self, root: nn.Module, units: list[Unit], gather: Callable[[Unit], None],
+                 release: Callable[[Unit], None], backward_open: Callable[[], bool]) -> None:
+        self._gather, self._release, self._backward_open = gather, release, backward_open
+        self._slot: dict[int, tuple[Unit, ParamSlot]] = {id(s.param): (u, s) for u in units for s in u.slots}
+        self._storage: dict[int, Unit] = {s.full.untyped_storage()._cdata: u for u in units for s in u.slots}
+        self._names: dict[int, str] = {}
+        self._stack: list[tuple[str, int]] = []  # (name, call number) of the running forwards, outermost first
+        self._calls = 0
+        self._running: Counter[str] = Counter()
+        self._held: dict[str, set[Unit]] = {}  # units kept gathered until that running module's forward ends
+        self.spans: dict[Unit, str] = {}  # learned: the module whose forward end releases the unit
+        self._released_in: dict[Unit, set[int]] = {}  # the forward calls running when it was last released
+        self._reported: set[tuple[str, str]] = set()
+        for name, mod in root.named_modules():
+            self._names[id(mod)] = name
+            mod.register_forward_pre_hook(self._enter, prepend=True)
+            mod.register_forward_hook(self._exit, always_call=True)
+
+    # ---- the model's forward and backward run inside this -----------------------------------------------
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Serve parameter reads of the forward or backward run inside this context."""
+        self._stack.clear()
+        self._running.clear()
+        self._held.clear()  # the engine released every unit at the end of the last pass
+        self._released_in.clear()
+        with _Mode(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        try:
+            unit = self._storage.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+            return t
+        return t if unit is None else _Saved(unit, t)
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Saved):
+            if saved.unit.state is UnitState.SHARDED:
+                self._gather(saved.unit)
+            return saved.tensor
+        return saved
+
+    # ---- module stack ------------------------------------------------------------------------------------
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            return
+        self._calls += 1
+        self._stack.append((name, self._calls))
+        self._running[name] += 1
+        for p in _EXTERNAL.get(module, ()):
+            hit = self._slot.get(id(p))
+            if hit is not None and hit[0].state is UnitState.SHARDED:
+                self._gather(hit[0])
+                self._held.setdefault(name, set()).add(hit[0])
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self._names.get(id(module))
+        if name is None or not self._running[name]:
+            return
+        self._running[name] -= 1
+        if self._stack and self._stack[-1][0] == name:
+            self._stack.pop()
+        if not self._running[name]:
+            for unit in self._held.pop(name, ()):
+                self._release(unit)
+
+    def defer(self, unit: Unit) -> bool:
+        """At the end of ``unit``'s own forward: True when a learned span says keep it gathered for now."""
+        if any(unit in held for held in self._held.values()):  # declared external, or kept by a span already
+            return True
+        span = self.spans.get(unit)
+        if span is not None and self._running[span]:
+            self._held.setdefault(span, set()).add(unit)
+            return True
+        self._released_in[unit] = {call for _, call in self._stack}
+        return False
+
+    def learn(self, unit: Unit, reader: str) -> None:
+        """``unit`` was gathered (again) outside its own forward: keep it gathered until the forward of the
+        innermost module that was running both when it was released and now ends, in every later forward
+        too. Never released before in this forward: the innermost running module that contains it."""
+        owner = unit.module_name
+        before = self._released_in.get(unit)
+        if before is not None:
+            span = next((m for m, call in reversed(self._stack) if call in before and m != owner), "")
+        else:
+            span = next((m for m, _ in reversed(self._stack)
+                         if m != owner and (m == "" or owner.startswith(m + "."))), "")
+        self.spans[unit] = span
+        self._held.setdefault(span, set()).add(unit)
+        if (owner, reader) not in self._reported:
+            self._reported.add((owner, reader))
+            log.info("stage 3: module %r reads the weights of %r outside its forward; they stay gathered "
+                     "until the forward of %r ends", reader or "<root>", owner or "<root>", span or "<root>")
+
+    def hold_until_inputs_grad(self, unit: Unit, args: Any) -> None:
+        """A frozen unit's weights are read by its backward (for its inputs' gradient) and by nothing after:
+        release it once the gradient of every input that needs one has been computed."""
+        inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:
+            return
+        left = [len(inputs)]
+
+        def done(grad: torch.Tensor) -> None:
+            left[0] -= 1
+            if left[0] == 0 and self._backward_open():
+                self._release(unit)
+        for t in inputs:
+            t.register_hook(done)
+
+    # ---- the torch-function check ------------------------------------------------------------------------
+    def check_call(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Gather the released units whose parameters ``func`` reads; refuse in-place writes to them."""
+        for i, a in enumerate(args):
+            if isinstance(a, (list, tuple)):
+                for b in a:
+                    self._check_arg(func, b, False)
+            else:
+                self._check_arg(func, a, i == 0)
+        for v in kwargs.values():
+            self._check_arg(func, v, False)
+        out = kwargs.get("out")
+        if out is not None and id(out) in self._slot:
+            self._refuse(func, out)
+
+    def _check_arg(self, func: Any, a: Any, first: bool) -> None:
+        hit = self._slot.get(id(a))
+        if hit is None:
+            return
+        name = _call_name(func)
+        if name in _METADATA:
+            return
+        if first and ((name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS):
+            self._refuse(func, a)
+        unit = hit[0]
+        if unit.state is UnitState.SHARDED:
+            reader = self._stack[-1][0] if self._stack else ""
+            self._gather(unit)
+            if not self._backward_open():
+                self.learn(unit, reader)
+
+    def _refuse(self, func: Any, param: Any) -> None:
+        unit, slot = self._slot[id(param)]
+        reader = self._stack[-1][0] if self._stack else "<root>"
+        raise ParameterAccessError(
+            f"parameter {slot.name!r} (owned by module {unit.module_name or '<root>'!r}) was modified in place "
+            f"by {_call_name(func)!r} in the forward or backward of module {reader or '<root>'!r}; under ZeRO "
+            "stage 3 the gathered copy is dropped when the module's weights are released, so the change would "
+            "be lost. Change weights outside the forward, inside zeropp.zero.GatheredParameters([param], "
+            "modifier_rank=0), or use stage 0-2")

@@ -1,0 +1,157 @@
+"""The model that reads a child's weight (Note [external reads]) through the rest of stage 3: checkpoint save
+and bit-exact resume, optimizer offload to the host, parameters and optimizer on NVMe; GatheredParameters
+reading and changing a weight on one rank with hpZ on; register_external_parameter saving the first
+step's extra gather."""
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeropp
+from support.odd_models import ChildWeight, odd_batch
+from support.world import run_world
+from zeropp.zero import GatheredParameters, register_external_parameter
+
+GB, STEPS = 8, 4
+NODES = {"topology": {"ranks_per_node": 2}}
+
+
+def _config(**zero: object) -> dict:
+    return {"train_batch_size": GB, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, **zero}}
+
+
+def _engine(cfg: dict) -> tuple:
+    torch.manual_seed(0)
+    model = ChildWeight()
+    return model, zeropp.initialize(model=model, config=cfg)[0]
+
+
+def _steps(engine, rank: int, world: int, steps: range) -> list[float]:  # noqa: ANN001
+    m, out = GB // world, []
+    for step in steps:
+        x, y = odd_batch(step, GB)
+        loss = engine(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m])
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().reshape(1).clone()
+        dist.all_reduce(value)
+        out.append(value.item() / world)
+    return out
+
+
+def checkpoint_case(rank: int, world: int, root: str) -> dict:
+    _, engine = _engine(_config())
+    first = _steps(engine, rank, world, range(2))
+    engine.save_checkpoint(root, tag="t2")
+    straight = _steps(engine, rank, world, range(2, STEPS))
+    _, fresh = _engine(_config())
+    fresh.load_checkpoint(root, tag="t2")
+    resumed = _steps(fresh, rank, world, range(2, STEPS))
+    return {"first": first, "straight": straight, "resumed": resumed,
+            "same_state": all(torch.equal(a, b) for a, b in zip(engine.consolidated_state_dict().values(),
+                                                                  fresh.consolidated_state_dict().values()))}
+
+
+def offload_case(rank: int, world: int, nvme_dir: str) -> dict:
+    cpu = {"offload_optimizer": {"device": "cpu"}}
+    nvme = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir},
+            "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 3, "buffer_size": 4096}}
+    out = {}
+    for name, zero in (("plain", {}), ("cpu", cpu), ("nvme", nvme)):
+        _, engine = _engine(_config(**zero))
+        out[name] = _steps(engine, rank, world, range(STEPS))
+        engine.close()
+    return out
+
+
+def gathered_case(rank: int, world: int) -> dict:
+    model, engine = _engine({**_config(zero_hpz_partition_size=2), **NODES})
+    _steps(engine, rank, world, range(1))
+    engine(*odd_batch(0, 2))  # leaves hpZ secondary slices of the current weights behind
+    with GatheredParameters([model.l1.weight, model.emb.weight]):
+        read = model.l1.weight.detach().clone()
+    want = engine.consolidated_state_dict()["l1.weight"]
+    with GatheredParameters(model.l1.weight, modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            model.l1.weight.fill_(0.25)
+        # other ranks write something else that must be discarded
+        elif rank == 1:
+            model.l1.weight.fill_(-7.0)
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(mod, args, out):  # noqa: ANN001, ANN202 - the weight in forward, and when its output's grad arrives
+        seen["fwd"] = mod.weight.detach().clone()
+        out.register_hook(lambda g: seen.update(bwd=mod.weight.detach().clone()))  # returns None: g unchanged
+    model.l1.register_forward_hook(capture)
+    x, y = odd_batch(7, GB)
+    m = GB // world
+    engine.backward(engine(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]))
+    return {"read": read, "want": want, "fwd": seen["fwd"], "bwd": seen["bwd"],
+            "master": engine.consolidated_state_dict()["l1.weight"], "emb_left_sharded": model.emb.weight.numel() > 0
+            and model.emb.weight.untyped_storage().nbytes() == 0}
+
+
+def external_case(rank: int, world: int) -> dict:
+    out = {}
+    for declared in (False, True):
+        model, engine = _engine(_config())
+        if declared:
+            register_external_parameter(model, model.emb.weight)
+        _steps(engine, rank, world, range(1))
+        out[declared] = engine.comm_report()["forward_gather"]["intra_node_bytes"]
+    return out
+
+
+def scenarios(rank: int, world: int, root: str) -> dict:
+    return {"ckpt": checkpoint_case(rank, world, os.path.join(root, "ckpt")),
+            "offload": offload_case(rank, world, os.path.join(root, "nvme")),
+            "gathered": gathered_case(rank, world), "external": external_case(rank, world)}
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> list:
+    with tempfile.TemporaryDirectory() as root:
+        return run_world(scenarios, 4, root)
+
+
+def test_checkpoint_resume_is_bit_exact():
+    for res in results():
+        ck = res["ckpt"]
+        assert ck["resumed"] == ck["straight"]
+        assert ck["same_state"]
+
+
+def test_optimizer_offload_and_nvme_offload_train_like_the_plain_run():
+    for res in results():
+        off = res["offload"]
+        assert off["cpu"] == off["plain"]
+        assert off["nvme"] == off["plain"]
+
+
+def test_gathered_parameters_reads_the_full_weight():
+    for res in results():
+        g = res["gathered"]
+        assert torch.equal(g["read"].float(), g["want"])
+
+
+def test_a_change_on_rank_0_reaches_every_rank_shard_master_and_hpz_slice():
+    for res in results():
+        g = res["gathered"]
+        assert torch.equal(g["fwd"], torch.full_like(g["fwd"], 0.25))  # the next forward, on every rank
+        assert torch.equal(g["bwd"], torch.full_like(g["bwd"], 0.25))  # the backward's hpZ gather too
+        assert torch.equal(g["master"], torch.full_like(g["master"], 0.25))  # the optimizer's fp32 master
+
+
+def test_gathered_parameters_releases_what_it_gathered():
+    assert all(res["gathered"]["emb_left_sharded"] for res in results())
+
+
+def test_a_declared_external_parameter_saves_the_first_steps_extra_gather():
+    for res in results():
+        assert res["external"][True] < res["external"][False]
