@@ -42,7 +42,7 @@ def train(rank: int, world: int, name: str, cfg: dict) -> dict:
         value = loss.detach().float().reshape(1).clone()
         dist.all_reduce(value)
         losses.append(value.item() / world)
-    return {"losses": losses, "comm": engine.comm_report(),
+    return {"losses": losses, "comm": engine.comm_report(), "spans": sorted(u.module_name for u in engine.use.spans),
             "numels": [p.numel() for p in engine.module.parameters()],
             "trainable": [p.numel() for p in engine.module.parameters() if p.requires_grad]}
 
@@ -91,6 +91,8 @@ def scenarios(rank: int, world: int) -> dict:
         for name in MODELS:
             out[name, "hpz"] = train(rank, world, name, {**_config(zero_hpz_partition_size=2), **nodes})
             out[name, "zeropp"] = train(rank, world, name, {**_config(**ZEROPP), **nodes})
+            out[name, "zeropp_module"] = train(rank, world, name,
+                                               {**_config(gather_granularity="module", **ZEROPP), **nodes})
         out["in_place"] = in_place_write(rank, world)
     return out
 
@@ -123,7 +125,8 @@ def test_hpz_on_two_nodes_is_exact_and_zeropp_trains(name):
     res = results_for(4)[0]
     _assert_close(res[name, "hpz"]["losses"], reference_for(name), 1e-5, f"{name} hpZ 2x2")
     # qwZ (int8 weights) and qgZ (int4 gradients) perturb each step; four steps stay within a few percent
-    _assert_close(res[name, "zeropp"]["losses"], reference_for(name), 3e-2, f"{name} ZeRO++ 2x2")
+    for gran in ("zeropp", "zeropp_module"):
+        _assert_close(res[name, gran]["losses"], reference_for(name), 3e-2, f"{name} {gran} 2x2")
 
 
 @pytest.mark.parametrize("name", ["child_weight", "sibling_share", "parent_after_child", "called_twice"])
@@ -135,6 +138,14 @@ def test_one_gather_per_unit_and_pass_after_the_first_step(name):
         assert comm["forward_gather"] == accounting.gather_volume(run["numels"], layout, rank, 4).as_dict()
         assert comm["backward_gather"] == accounting.gather_volume(run["numels"], layout, rank, 4).as_dict()
         assert comm["grad_reduce"] == accounting.reduce_scatter_volume(run["trainable"], layout, rank, 4).as_dict()
+
+
+def test_spans_are_learned_for_the_units_read_outside_their_forward_only():
+    run = results_for(2)[0]
+    assert run["parent_after_child", "module"]["spans"] == ["layers.0.fc", "layers.2.norm"]  # not the head
+    assert run["parent_after_child", "block"]["spans"] == ["layers.0", "layers.2"]
+    assert run["child_weight", "module"]["spans"] == ["emb"]
+    assert run["called_twice", "module"]["spans"] == ["layers.0.fc", "layers.0.norm"]
 
 
 def test_an_in_place_write_names_the_parameter_the_owner_and_the_reader():

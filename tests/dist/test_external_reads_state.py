@@ -108,8 +108,22 @@ def external_case(rank: int, world: int) -> dict:
     return out
 
 
+def direct_call_case(rank: int, world: int) -> dict:
+    """The model called directly (as transformers' generate() calls itself), not through the engine."""
+    model, engine = _engine(_config())
+    _steps(engine, rank, world, range(1))
+    x, y = odd_batch(3, 2)
+    with torch.no_grad():
+        through_engine = engine(x, y).item()
+        direct = model(x, y).item()
+    loss = model(x, y)
+    engine.backward(loss)
+    return {"engine": through_engine, "direct": direct, "trained": loss.item(),
+            "all_sharded": all(u.state.value == "sharded" for u in engine.units)}
+
+
 def scenarios(rank: int, world: int, root: str) -> dict:
-    return {"ckpt": checkpoint_case(rank, world, os.path.join(root, "ckpt")),
+    return {"direct": direct_call_case(rank, world), "ckpt": checkpoint_case(rank, world, os.path.join(root, "ckpt")),
             "offload": offload_case(rank, world, os.path.join(root, "nvme")),
             "gathered": gathered_case(rank, world), "external": external_case(rank, world)}
 
@@ -118,6 +132,13 @@ def scenarios(rank: int, world: int, root: str) -> dict:
 def results() -> list:
     with tempfile.TemporaryDirectory() as root:
         return run_world(scenarios, 4, root)
+
+
+def test_calling_the_model_directly_serves_the_parent_read_too():
+    for res in results():
+        d = res["direct"]
+        assert d["direct"] == d["engine"] == d["trained"]
+        assert d["all_sharded"]
 
 
 def test_checkpoint_resume_is_bit_exact():

@@ -132,6 +132,8 @@ class ParamUse:
         self.spans: dict[Unit, str] = {}  # learned: the module whose forward end releases the unit
         self._released_in: dict[Unit, set[int]] = {}  # the forward calls running when it was last released
         self._reported: set[tuple[str, str]] = set()
+        self._active = False  # inside watching()
+        self._direct: Optional[contextlib.ExitStack] = None  # watching a forward called on the model itself
         for name, mod in root.named_modules():
             self._names[id(mod)] = name
             mod.register_forward_pre_hook(self._enter, prepend=True)
@@ -145,8 +147,12 @@ class ParamUse:
         self._running.clear()
         self._held.clear()  # the engine released every unit at the end of the last pass
         self._released_in.clear()
-        with _Mode(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        self._active = True
+        try:
+            with _Mode(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._active = False
 
     def _pack(self, t: torch.Tensor) -> Any:
         try:
@@ -167,6 +173,9 @@ class ParamUse:
         name = self._names.get(id(module))
         if name is None:
             return
+        if name == "" and not self._active:  # the model called directly, not through the engine: watch it too
+            self._direct = contextlib.ExitStack()
+            self._direct.enter_context(self.watching())
         self._calls += 1
         self._stack.append((name, self._calls))
         self._running[name] += 1
@@ -186,6 +195,9 @@ class ParamUse:
         if not self._running[name]:
             for unit in self._held.pop(name, ()):
                 self._release(unit)
+        if name == "" and self._direct is not None:
+            direct, self._direct = self._direct, None
+            direct.close()
 
     def defer(self, unit: Unit) -> bool:
         """At the end of ``unit``'s own forward: True when a learned span says keep it gathered for now."""
