@@ -2,8 +2,23 @@
 
     engine, optimizer, _, scheduler = zeropp.initialize(model=model, config="ds_config.json")
     loss = engine(batch); engine.backward(loss); engine.step()
-"""
-from zeropp.api import InitResult, initialize
 
-__all__ = ["initialize", "InitResult"]
+DeepSpeed's script-level API is here too, so ``import zeropp as deepspeed`` runs DeepSpeed training scripts:
+``initialize`` (DeepSpeed's arguments), ``add_config_arguments``, ``init_distributed``, ``zero.Init``,
+``zero.GatheredParameters``, ``zero.register_external_parameter``. A DeepSpeed name zeropp lacks raises an
+error that names it.
+"""
+from typing import Any
+
+from zeropp import zero
+from zeropp.api import InitResult, initialize
+from zeropp.deepspeed_api import MISSING_MODULE_API, add_config_arguments, init_distributed, missing
+
+__all__ = ["initialize", "InitResult", "add_config_arguments", "init_distributed", "zero"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in MISSING_MODULE_API:
+        raise missing(name)
+    raise AttributeError(f"module 'zeropp' has no attribute {name!r}")

@@ -20,6 +20,7 @@ from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
 from zeropp.comm.reduce import AllReduceMean, AllToAllReduceScatter
 from zeropp.config import ZeroConfig, ZeroppConfig, load_config
+from zeropp.config_auto import AutoValues
 from zeropp.offload.link import build_link
 from zeropp.offload.residency import build_residency
 from zeropp.optim import build_optimizer, build_scheduler
@@ -27,6 +28,7 @@ from zeropp.plus.hpz import HpzGather, SecondaryStore
 from zeropp.plus.qgz import QuantizedReduce
 from zeropp.plus.qwz import QuantizedGather
 from zeropp.topology import Group
+from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 from zeropp.zero.engine import Strategies, TrainPolicy, ZeroEngine
 from zeropp.zero.loss_scaler import LossScaler
 
@@ -125,32 +127,69 @@ def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor
 
 
 def initialize(
-    model: nn.Module,
-    config: Union[str, os.PathLike, dict, ZeroppConfig, None] = None,
-    model_parameters: Optional[Iterable[torch.Tensor]] = None,
+    args: Any = None,
+    model: Optional[nn.Module] = None,
     optimizer: Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None] = None,
+    model_parameters: Optional[Iterable[torch.Tensor]] = None,
     training_data: Optional[torch.utils.data.Dataset] = None,
-    lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+    lr_scheduler: Any = None,
+    distributed_port: Optional[int] = None,
+    mpu: Any = None,
+    dist_init_required: Optional[bool] = None,
+    collate_fn: Optional[Callable] = None,
+    config: Union[str, os.PathLike, dict, ZeroppConfig, None] = None,
+    mesh_param: Any = None,
     config_params: Optional[dict] = None,
+    *,
     param_init_fn: Optional[Callable[[nn.Module], None]] = None,
 ) -> InitResult:
     """Partition ``model`` over the data-parallel ranks and return ``(engine, optimizer, dataloader, scheduler)``.
 
+    The arguments are DeepSpeed's, in its order, so ``import zeropp as deepspeed`` works for scripts.
+
     Args:
+        args: an argparse namespace; its ``deepspeed_config`` is the config when ``config`` is not given
+            (see :func:`zeropp.add_config_arguments`).
         model: an unchanged ``nn.Module``; its parameters are sharded in place (each rank keeps its chunk).
-        config: a DeepSpeed-style JSON path or dict (``config_params`` is DeepSpeed's older spelling).
-        model_parameters: the parameters to train; others are kept frozen (default: all of them).
         optimizer: a torch optimizer built over ``model``'s parameters (rebuilt with the same class, groups and
             hyper-parameters over the fp32 master shards), or a callable ``params -> optimizer``; default:
             the config's ``optimizer`` section.
+        model_parameters: the parameters to train; others are kept frozen (default: all of them).
         training_data: a dataset; if given, a loader of ``train_micro_batch_size_per_gpu`` with a
-            distributed sampler is returned.
-        lr_scheduler: a callable ``optimizer -> scheduler``; default: the config's ``scheduler`` section.
-        param_init_fn: for a model built under ``torch.device("meta")``: called on each module once its
-            parameters exist on the host (default: ``module.reset_parameters()``); parameters are created,
-            initialized and sharded a unit at a time, so no rank ever holds the whole model.
+            distributed sampler (and ``collate_fn``) is returned.
+        lr_scheduler: a callable ``optimizer -> scheduler``, or a scheduler built over ``optimizer`` (it is
+            moved onto the rebuilt optimizer); default: the config's ``scheduler`` section.
+        distributed_port: the rendezvous port when the environment sets none (torchrun sets it).
+        mpu, mesh_param: model parallelism; not supported (an error says so).
+        dist_init_required: False asserts that the process group already exists.
+        config: a DeepSpeed-style JSON path or dict (``config_params`` is DeepSpeed's older spelling).
+            Hugging Face's ``"auto"`` values are resolved from the model and the arguments where they can
+            be (see :mod:`zeropp.config_auto`).
+        param_init_fn: for a model built under ``torch.device("meta")`` (or ``zeropp.zero.Init``): called on
+            each module once its parameters exist on the host (default: ``module.reset_parameters()``);
+            parameters are created, initialized and sharded a unit at a time, so no rank ever holds the
+            whole model.
     """
-    cfg = load_config(config if config is not None else (config_params or {}))
+    if model is None:
+        raise TypeError("initialize: model is required")
+    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
+        if value is not None:
+            raise DeepSpeedAPIError(f"initialize({name}=...): model parallelism is not implemented by zeropp; "
+                                    "zeropp partitions over data-parallel ranks only")
+    args_config = getattr(args, "deepspeed_config", None) if args is not None else None
+    if args_config is not None and (config is not None or config_params is not None):
+        raise ValueError("initialize: a config was given both as args.deepspeed_config and as config/config_params; "
+                         "give one")
+    source = next((c for c in (config, config_params, args_config) if c is not None), {})
+    known = AutoValues(hidden_size=_hidden_size(model), client_optimizer=optimizer is not None,
+                       client_scheduler=lr_scheduler is not None)
+    cfg = load_config(source, known)
+    if param_init_fn is None and callable(getattr(model, "_init_weights", None)):
+        param_init_fn = model._init_weights  # a Hugging Face model initializes each submodule with this
+    if dist_init_required is False and not dist.is_initialized():
+        raise RuntimeError("initialize(dist_init_required=False): no process group exists yet")
+    if distributed_port is not None:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
     _ensure_process_group()
     zero = cfg.zero_optimization
     topo = topo_mod.build(cfg.topology.ranks_per_node, zero.zero_hpz_partition_size)
@@ -191,7 +230,7 @@ def initialize(
         link = build_link(_model_device(model), offload or offload_param, _pin_memory(zero))
         engine = ZeroEngine(
             model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
-            make_scheduler=lr_scheduler or (lambda opt: build_scheduler(cfg.scheduler, opt)),
+            make_scheduler=_scheduler_factory(lr_scheduler, lambda opt: build_scheduler(cfg.scheduler, opt)),
             trainable=trainable,
             config=cfg,
             param_init_fn=param_init_fn,
@@ -206,5 +245,28 @@ def initialize(
         sampler = torch.utils.data.DistributedSampler(
             training_data, num_replicas=topo.world_size, rank=topo.rank, shuffle=True
         )
-        loader = torch.utils.data.DataLoader(training_data, batch_size=batch.micro_batch_per_rank, sampler=sampler)
+        loader = torch.utils.data.DataLoader(training_data, batch_size=batch.micro_batch_per_rank, sampler=sampler,
+                                             collate_fn=collate_fn)
     return InitResult(engine, engine.optimizer, loader, engine.lr_scheduler)
+
+
+def _hidden_size(model: nn.Module) -> Optional[int]:
+    """A Hugging Face model's ``config.hidden_size`` (what the Trainer sizes "auto" buckets from), else None."""
+    size = getattr(getattr(model, "config", None), "hidden_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _scheduler_factory(lr_scheduler: Any, config_scheduler: Callable[[torch.optim.Optimizer], Any]) -> Callable:
+    """``optimizer -> scheduler``: the caller's callable, the caller's scheduler moved onto the rebuilt
+    optimizer (its groups carry the same keys, ``initial_lr`` included), or the config's section."""
+    if lr_scheduler is None:
+        return config_scheduler
+    if hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer"):
+        def move(opt: torch.optim.Optimizer) -> Any:
+            lr_scheduler.optimizer = opt
+            return lr_scheduler
+        return move
+    if callable(lr_scheduler):
+        return lr_scheduler
+    raise TypeError(f"initialize: lr_scheduler must be a scheduler or a callable optimizer -> scheduler, got "
+                    f"{type(lr_scheduler).__name__}")

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
+from zeropp.config_auto import AutoValues, resolve_auto
 from zeropp.config_models import (
     DEEPSPEED_ONLY_OPTIMIZERS,
     DEEPSPEED_ONLY_SCHEDULERS,
@@ -209,8 +210,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 "fp16 master weights (zeropp keeps fp32 masters); accepted: false"),
     Unsupported("zero_optimization.reduce_scatter", lambda v: v is False,
                 "false asks for all-reduce gradient averaging; accepted: true"),
-    Unsupported("zero_optimization.stage3_gather_16bit_weights_on_model_save", lambda v: v is True,
-                "gathering 16-bit weights on save; accepted: false"),
     Unsupported("zero_optimization.zero_quantized_nontrainable_weights", lambda v: v is True,
                 "storing frozen weights quantized; accepted: false"),
     Unsupported("zero_optimization.zeropp_loco_param", lambda v: v is not None,
@@ -294,20 +293,27 @@ def check_supported(cfg: ZeroppConfig, source: str | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | ZeroppConfig) -> ZeroppConfig:
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | ZeroppConfig,
+                auto: AutoValues | None = None) -> ZeroppConfig:
     """Read a config from a JSON file path, a dict, or an existing `ZeroppConfig`, and check support.
 
-    Raises `ConfigError` (missing file, invalid JSON with its line, unknown keys, wrong types...) or
-    `NotSupportedError` (valid DeepSpeed settings zeropp does not implement yet).
+    `"auto"` values (Hugging Face's) are resolved first from `auto` (see `zeropp.config_auto`).
+    Raises `ConfigError` (missing file, invalid JSON with its line, unknown keys, wrong types, an `"auto"`
+    nothing resolves...) or `NotSupportedError` (valid DeepSpeed settings zeropp does not implement yet).
     """
     origin: str | None = None
     if isinstance(source, ZeroppConfig):
         cfg = source
-    elif isinstance(source, Mapping):
-        cfg = parse_config(source)
-    elif isinstance(source, (str, os.PathLike)):
-        origin = os.fspath(source)
-        cfg = parse_config(read_json(origin), origin)
+    elif isinstance(source, (Mapping, str, os.PathLike)):
+        raw: Any = source
+        if not isinstance(source, Mapping):
+            origin = os.fspath(source)
+            raw = read_json(origin)
+        if isinstance(raw, Mapping):
+            raw, problems = resolve_auto(raw, auto)
+            if problems:
+                raise ConfigError(problems, origin)
+        cfg = parse_config(raw, origin)
     else:
         raise ConfigError(f"<config>: got a {type(source).__name__}; accepted: a JSON file path, a dict "
                           "or a ZeroppConfig")

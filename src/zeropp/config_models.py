@@ -202,8 +202,9 @@ class ZeroConfig(Section):
     stage3_max_reuse_distance: DSInt = F(1_000_000_000, ge=0, doc="Keep a gathered parameter if reused "
                                          "within this distance.", status=STATUS_TUNING)
     stage3_gather_16bit_weights_on_model_save: bool = F(False, doc="Gather full 16-bit weights when saving "
-                                                        "the model. `true` is not supported yet.",
-                                                        status=STATUS_PARTIAL)
+                                                        "the model: save_16bit_model always gathers them.")
+    stage3_gather_fp16_weights_on_model_save: bool = F(False, doc="DeepSpeed's older name of "
+                                                       "stage3_gather_16bit_weights_on_model_save.")
     overlap_comm: bool = F(True, doc="Overlap communication with compute; zeropp always overlaps.",
                            status=STATUS_TUNING)
     contiguous_gradients: bool = F(True, doc="Copy gradients into a contiguous buffer; zeropp always "

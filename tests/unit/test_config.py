@@ -264,8 +264,6 @@ def test_bf16_and_fp16_together_is_a_plain_config_error() -> None:
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, **stage3()},
      "fp16.fp16_master_weights_and_grads"),
     (stage3(reduce_scatter=False), "zero_optimization.reduce_scatter"),
-    (stage3(stage3_gather_16bit_weights_on_model_save=True),
-     "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
     (stage3(zero_quantized_nontrainable_weights=True), "zero_optimization.zero_quantized_nontrainable_weights"),
     (stage3(zeropp_loco_param={"err_beta": 0.8}), "zero_optimization.zeropp_loco_param"),
     ({"prescale_gradients": True, **stage3()}, "prescale_gradients"),

@@ -1,7 +1,9 @@
-"""Training-step state machines for the ZeRO stages, and DeepSpeed's ``zero`` helpers for stage 3:
-``GatheredParameters`` (full parameters outside the forward) and ``register_external_parameter``."""
+"""Training-step state machines for the ZeRO stages, and DeepSpeed's ``zero`` helpers: ``Init`` (build a
+model without memory), ``GatheredParameters`` (full parameters outside the forward) and
+``register_external_parameter``."""
 from zeropp.zero.gathered import GatheredParameters
+from zeropp.zero.init_context import Init
 from zeropp.zero.param_use import ParameterAccessError, register_external_parameter, unregister_external_parameter
 
-__all__ = ["GatheredParameters", "ParameterAccessError", "register_external_parameter",
+__all__ = ["GatheredParameters", "Init", "ParameterAccessError", "register_external_parameter",
            "unregister_external_parameter"]

@@ -41,6 +41,7 @@ from zeropp.partition.unit import Unit, UnitState
 from zeropp.topology import Topology
 from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
+from zeropp.zero.deepspeed_surface import DeepSpeedAPIError, DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.param_use import ParamUse
 
@@ -122,10 +123,11 @@ class Pass(enum.Enum):
 _LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
 
 
-class ZeroEngine:
+class ZeroEngine(DeepSpeedSurface):
     """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.initialize`.
 
-    Use it like DeepSpeed's engine: ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
+    Use it like DeepSpeed's engine: ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``;
+    DeepSpeed's accessors (``train_batch_size()``, ``get_lr()``, ...) come from :class:`DeepSpeedSurface`.
     """
 
     def __init__(
@@ -734,13 +736,19 @@ class ZeroEngine:
         with self.residency.resident(self.units, dirty=False):  # NVMe: the rank's whole state, read back
             return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[str, Any]:
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str, Any]:
         """Restore weights, optimizer, scheduler, counters and RNG from ``load_dir`` (tag default: ``latest``).
 
-        Works on a different world size too (re-sharding). Returns ``(path, client_state)``.
+        Works on a different world size too (re-sharding). Returns ``(path, client_state)``. The arguments
+        are DeepSpeed's, in its order; every parameter is always loaded (``load_module_strict=False`` and
+        ``custom_load_fn`` are not supported yet).
         """
         from zeropp.checkpoint import load_checkpoint
+        if not load_module_strict or custom_load_fn is not None:
+            raise DeepSpeedAPIError("load_checkpoint: load_module_strict=False and custom_load_fn are not "
+                                    "implemented by zeropp yet (a checkpoint always restores every parameter)")
         self._check_checkpointable()
         self.join_update()
         with self.residency.resident(self.units):  # NVMe: in memory while loading, written back after

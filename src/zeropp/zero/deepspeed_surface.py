@@ -1,0 +1,95 @@
+"""DeepSpeed's engine accessors, in one place: what training scripts call on the object ``initialize``
+returns (``engine.train_batch_size()``, ``engine.local_rank``, ``engine.get_lr()``, ...).
+
+They read the engine's own state and config; nothing here changes what the engine does. A DeepSpeed engine
+method that zeropp lacks raises :class:`DeepSpeedAPIError` naming it, instead of a bare AttributeError.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+# DeepSpeedEngine methods and attributes that training code calls and zeropp does not provide (yet)
+MISSING_ENGINE_API = frozenset({
+    "set_train_batch_size", "set_train_micro_batch_size", "set_gradient_accumulation_boundary",
+    "get_mom", "get_pld_theta", "monitor", "flops_profiler", "curriculum_learning_enabled",
+    "random_ltd_enabled", "compression_scheduler", "pipeline_parallelism", "eigenvalue_enabled",
+    "sparse_gradients_enabled", "data_efficiency_enabled", "offload_states", "reload_states",
+    "compile", "is_compiled", "empty_partition_cache", "destroy", "no_sync", "set_data_post_process_func",
+    "set_custom_curriculum_learning_schedule", "get_sequence_parallel_group", "module_state_dict",
+    "load_module_state_dict", "get_data_types", "optimizer_name", "timers", "tput_timer",
+})
+
+
+class DeepSpeedAPIError(NotImplementedError):
+    """A DeepSpeed API that zeropp does not implement yet (the message names it)."""
+
+
+class DeepSpeedSurface:
+    """Mixed into :class:`~zeropp.zero.engine.ZeroEngine`: DeepSpeed's accessor names over its state."""
+
+    # provided by the engine
+    topo: Any
+    config: Any
+    policy: Any
+    optimizer: torch.optim.Optimizer
+    module: torch.nn.Module
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index on its node (torchrun's ``LOCAL_RANK``)."""
+        return int(os.environ.get("LOCAL_RANK", self.topo.local_rank))
+
+    @property
+    def global_rank(self) -> int:
+        return self.topo.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topo.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (its first parameter's device; the host for a model without any)."""
+        units = getattr(self, "units", [])
+        return units[0].device if units else torch.device("cpu")
+
+    def _batch(self) -> Any:
+        return self.config.resolve_batch(self.topo.world_size)
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks and accumulation steps."""
+        return self._batch().train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch().micro_batch_per_rank
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.policy.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer parameter group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def zero_optimization_stage(self) -> int:
+        return self.policy.stage
+
+    def zero_optimization(self) -> bool:
+        return self.policy.stage > 0
+
+    def bfloat16_enabled(self) -> bool:
+        return self.policy.compute_dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.policy.compute_dtype == torch.float16
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: :meth:`save_16bit_model` always gathers the full 16-bit weights."""
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        if name in MISSING_ENGINE_API:
+            raise DeepSpeedAPIError(f"DeepSpeed's engine.{name} is not implemented by zeropp yet")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
