@@ -94,19 +94,21 @@ def _pin_memory(zero: ZeroConfig) -> bool:
                for section in (zero.offload_optimizer, zero.offload_param))
 
 
-def _ensure_process_group() -> None:
-    """Join torchrun's process group (gloo for host tensors, NCCL for CUDA ones, chosen per tensor where
-    CUDA is present); a lone process forms a world of one."""
+def _ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
+    """Join torchrun's process group (default backend: gloo for host tensors, NCCL for CUDA ones, chosen per
+    tensor where CUDA is present); a lone process without ``kwargs`` forms a world of one. ``kwargs`` go to
+    ``torch.distributed.init_process_group`` (``init_method``, ``rank``, ``world_size``, ``timeout``)."""
     if dist.is_initialized():
         return
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if "RANK" not in os.environ:
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if "RANK" not in os.environ and not kwargs:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         return
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, **kwargs)
 
 
 def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:

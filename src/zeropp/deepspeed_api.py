@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 from typing import Any, Optional
+
+from zeropp.api import _ensure_process_group
 
 # deepspeed.<name> that scripts use and zeropp does not implement (yet)
 MISSING_MODULE_API = frozenset({
@@ -36,23 +39,15 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                      timeout: Optional[datetime.timedelta] = None, init_method: Optional[str] = None,
                      dist_init_required: Optional[bool] = None, config: Any = None, rank: int = -1,
                      world_size: int = -1) -> None:
-    """Create the default process group as torchrun describes it (a no-op when it exists).
+    """Create the default process group as torchrun describes it (a no-op when it exists; a lone process
+    without torchrun forms a world of one, as in ``initialize``).
 
     ``dist_backend``: "gloo", "nccl" or None (gloo for host tensors, NCCL for CUDA ones where available).
-    ``rank``/``world_size``/``init_method`` are passed to ``torch.distributed`` when given; MPI discovery and
-    ``config`` are DeepSpeed's and have no effect here (torchrun's environment is read instead).
+    ``rank``/``world_size``/``init_method``/``timeout`` are passed to ``torch.distributed`` when given; MPI
+    discovery and ``config`` are DeepSpeed's and have no effect here (torchrun's environment is read instead).
     """
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    if dist_backend is None:
-        dist_backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -60,7 +55,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         kwargs["init_method"] = init_method
     if rank >= 0 and world_size > 0:
         kwargs.update(rank=rank, world_size=world_size)
-    dist.init_process_group(dist_backend, **kwargs)
+    _ensure_process_group(dist_backend, **kwargs)
 
 
 def missing(name: str) -> NotImplementedError:

@@ -116,9 +116,12 @@ def direct_call_case(rank: int, world: int) -> dict:
     with torch.no_grad():
         through_engine = engine(x, y).item()
         direct = model(x, y).item()
+    with torch.no_grad():
+        model(x, y)  # a second direct call: units released in an earlier call are not "called twice"
     loss = model(x, y)
     engine.backward(loss)
     return {"engine": through_engine, "direct": direct, "trained": loss.item(),
+            "spans": sorted(u.module_name for u in engine.use.spans),
             "all_sharded": all(u.state.value == "sharded" for u in engine.units)}
 
 
@@ -139,6 +142,7 @@ def test_calling_the_model_directly_serves_the_parent_read_too():
         d = res["direct"]
         assert d["direct"] == d["engine"] == d["trained"]
         assert d["all_sharded"]
+        assert d["spans"] == ["emb"]  # only the parent's read of the embedding
 
 
 def test_checkpoint_resume_is_bit_exact():

@@ -181,7 +181,6 @@ class ZeroEngine(DeepSpeedSurface):
         self.lr_scheduler = make_scheduler(self.optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
-        self._forward_seen: set[Unit] = set()  # units gathered in this forward (a second gather: reuse)
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._grads_missing: dict[Unit, int] = {}
         self._backward_open = False
@@ -275,9 +274,10 @@ class ZeroEngine(DeepSpeedSurface):
     def _make_pre_forward(self, unit: Unit) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             current = self._pass()
-            again = current is Pass.FORWARD and unit in self._forward_seen and unit.state is UnitState.SHARDED
+            again = (self.use is not None and current is Pass.FORWARD and unit.state is UnitState.SHARDED
+                     and self.use.released_in_this_pass(unit))
             self._gather(unit, current)
-            if again and self.use is not None:  # a module called twice: keep it for the second call next time
+            if again:  # a module called twice: keep it for the second call next time
                 self.use.learn(unit, unit.module_name)
         return hook
 
@@ -322,8 +322,6 @@ class ZeroEngine(DeepSpeedSurface):
             return
         order = self._order[which]
         order.append(unit)
-        if which is Pass.FORWARD:
-            self._forward_seen.add(unit)
         pending = self._inflight.pop(unit, None) or self._start_gather(unit, which)
         assert pending is not None
         self._prefetch(which, len(order) - 1)
@@ -367,7 +365,6 @@ class ZeroEngine(DeepSpeedSurface):
         )
         args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         self._order[Pass.FORWARD] = []
-        self._forward_seen = set()
         if self.use is None:
             return self.module(*args, **kwargs)
         try:

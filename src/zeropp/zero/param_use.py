@@ -210,6 +210,10 @@ class ParamUse:
         self._released_in[unit] = {call for _, call in self._stack}
         return False
 
+    def released_in_this_pass(self, unit: Unit) -> bool:
+        """Whether ``unit``'s own forward already ran and released it since this pass began."""
+        return unit in self._released_in
+
     def learn(self, unit: Unit, reader: str) -> None:
         """``unit`` was gathered (again) outside its own forward: keep it gathered until the forward of the
         innermost module that was running both when it was released and now ends, in every later forward
