@@ -2,11 +2,11 @@
 
     sudo .venv/bin/python bench/run_bench.py [--bandwidths unlimited,200mbit] [--steps 8] [--systems ...]
 
-See ``zeropp bench --help`` and docs/benchmarks.md. The code lives in ``src/zeropp/bench/``.
+See ``zeropp bench --help`` and docs/benchmarks.md. The code lives in ``src/zeropp/cluster_bench/``.
 """
 import sys
 
-from zeropp.bench import main
+from zeropp.cluster_bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -11,11 +11,11 @@ error that names it.
 from typing import Any
 
 from zeropp import zero
+from zeropp._version import __version__
 from zeropp.api import InitResult, initialize
 from zeropp.deepspeed_api import MISSING_MODULE_API, add_config_arguments, init_distributed, missing
 
 __all__ = ["initialize", "InitResult", "add_config_arguments", "init_distributed", "zero"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

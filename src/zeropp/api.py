@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeropp import topology as topo_mod
+from zeropp.checkpoint import CheckpointingEngine
 from zeropp.comm.gather import AllGather
 from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
@@ -29,14 +30,14 @@ from zeropp.plus.qgz import QuantizedReduce
 from zeropp.plus.qwz import QuantizedGather
 from zeropp.topology import Group
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
-from zeropp.zero.engine import Strategies, TrainPolicy, ZeroEngine
+from zeropp.zero.engine import Strategies, TrainPolicy
 from zeropp.zero.loss_scaler import LossScaler
 
 
 class InitResult(NamedTuple):
     """What :func:`initialize` returns, in DeepSpeed's order."""
 
-    engine: ZeroEngine
+    engine: CheckpointingEngine  # a ZeroEngine with save_checkpoint / load_checkpoint / save_16bit_model
     optimizer: torch.optim.Optimizer
     training_dataloader: Optional[torch.utils.data.DataLoader]
     lr_scheduler: Any
@@ -230,7 +231,7 @@ def initialize(
     residency = build_residency(zero, model, topo.world_size if zero.stage >= 1 else 1, compute_dtype, topo.rank)
     try:
         link = build_link(_model_device(model), offload or offload_param, _pin_memory(zero))
-        engine = ZeroEngine(
+        engine = CheckpointingEngine(
             model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
             make_scheduler=_scheduler_factory(lr_scheduler, lambda opt: build_scheduler(cfg.scheduler, opt)),
             trainable=trainable,

@@ -111,7 +111,7 @@ def consolidate(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub: "argparse._SubParsersAction") -> None:
-    from zeropp.bench.run import parser as bench_parser
+    from zeropp.cluster_bench.run import parser as bench_parser
 
     p = sub.add_parser(
         "bench",
@@ -125,7 +125,7 @@ def _bench_parser(sub: "argparse._SubParsersAction") -> None:
 
 
 def bench(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
-    from zeropp.bench.run import main as bench_main
+    from zeropp.cluster_bench.run import main as bench_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
     return bench_main(argv[argv.index("bench") + 1:] if "bench" in argv else [], prog_args=args)

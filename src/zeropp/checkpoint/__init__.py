@@ -5,16 +5,18 @@
     zeropp.checkpoint.consolidate("ckpt", "model.safetensors")   # no torch.distributed needed
 
 The format and its crash safety are described in ``format.py`` (Note [checkpoint atomicity]); what a
-shard holds and how it re-shards in ``engine_io.py``; see also docs/checkpoints.md.
+shard holds and how it re-shards in ``engine_io.py``, which also defines ``CheckpointingEngine`` (the engine
+``initialize`` returns: ``ZeroEngine`` plus these methods; ``zeropp.zero`` never imports this package);
+see also docs/checkpoints.md.
 """
 from zeropp.checkpoint.consolidate import (
     FullCheckpoint, consolidate, get_fp32_state_dict_from_zero_checkpoint, load_full_checkpoint, write_state_dict,
 )
-from zeropp.checkpoint.engine_io import load_checkpoint, save_16bit_model, save_checkpoint
+from zeropp.checkpoint.engine_io import CheckpointingEngine, load_checkpoint, save_16bit_model, save_checkpoint
 from zeropp.checkpoint.format import FORMAT_VERSION, CheckpointError, list_tags
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "save_16bit_model", "consolidate", "load_full_checkpoint",
     "get_fp32_state_dict_from_zero_checkpoint", "write_state_dict", "FullCheckpoint", "CheckpointError",
-    "FORMAT_VERSION", "list_tags",
+    "FORMAT_VERSION", "list_tags", "CheckpointingEngine",
 ]

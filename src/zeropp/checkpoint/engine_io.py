@@ -1,8 +1,10 @@
 """Save and load a stage-3 engine's training state: one shard file per rank plus rank 0's manifest.
 
-Called through ``ZeroEngine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``; every rank
-must call them together. The directory layout and the atomicity argument are in ``format.py`` (Note
-[checkpoint atomicity]).
+Called through :class:`CheckpointingEngine` (the engine ``zeropp.initialize`` returns: ``ZeroEngine``
+plus ``save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``); every rank must call them together.
+The dependency runs one way: this module reads the state ``ZeroEngine`` exposes, and ``zeropp.zero`` never
+imports ``zeropp.checkpoint`` (tests/unit/test_layers.py). The directory layout and the atomicity argument
+are in ``format.py`` (Note [checkpoint atomicity]).
 
 What a shard file holds, and why it is enough to continue bit for bit: the fp32 master chunk of every
 parameter (the 16-bit shard is recast from it, as every optimizer step does), the optimizer's
@@ -25,21 +27,20 @@ import random
 import shutil
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-import zeropp
+from zeropp._version import __version__
 from zeropp.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, Manifest, atomic_write, atomic_write_text, check_tag,
     crash_point, fsync_dir, load_shard, read_manifest, resolve_tag_dir, shard_name,
 )
 from zeropp.checkpoint.reshard import read_ranges
 from zeropp.comm.ledger import Phase
-
-if TYPE_CHECKING:
-    from zeropp.zero.engine import ZeroEngine
+from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
+from zeropp.zero.engine import ZeroEngine
 
 
 @dataclass
@@ -57,7 +58,7 @@ class _Param:
     optimizer_index: Optional[int]
 
 
-def _params(engine: "ZeroEngine") -> list[_Param]:
+def _params(engine: ZeroEngine) -> list[_Param]:
     opt_index = {id(t): i for i, t in enumerate(p for g in engine.optimizer.param_groups for p in g["params"])}
     aliases: dict[int, list[str]] = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
@@ -70,13 +71,13 @@ def _params(engine: "ZeroEngine") -> list[_Param]:
     return out
 
 
-def _buffers(engine: "ZeroEngine") -> dict[str, torch.Tensor]:
+def _buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     """State-dict entries that are not sharded parameters (buffers), as this rank holds them."""
     params = {id(s.param) for u in engine.units for s in u.slots}
     return {k: t for k, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in params}
 
 
-def _agree(engine: "ZeroEngine", error: Optional[BaseException], what: str) -> None:
+def _agree(engine: ZeroEngine, error: Optional[BaseException], what: str) -> None:
     """Raise on every rank if any rank failed, so no rank waits forever in a later collective."""
     flags = torch.zeros(engine.topo.world_size, dtype=torch.float32)
     flags[engine.topo.rank] = 1.0 if error is not None else 0.0
@@ -88,7 +89,7 @@ def _agree(engine: "ZeroEngine", error: Optional[BaseException], what: str) -> N
         raise CheckpointError(f"{what} failed on rank(s) {bad}; their error names the cause")
 
 
-def _shared_nonce(engine: "ZeroEngine") -> str:
+def _shared_nonce(engine: ZeroEngine) -> str:
     # os.urandom, not torch: drawing from torch's generator would change the RNG state being saved
     value = torch.tensor([int.from_bytes(os.urandom(6), "little") if engine.topo.rank == 0 else 0],
                          dtype=torch.int64)
@@ -104,7 +105,7 @@ def _rng_state() -> dict:
     return out
 
 
-def _shard_payload(engine: "ZeroEngine", params: list[_Param], client_state: Any) -> dict:
+def _shard_payload(engine: ZeroEngine, params: list[_Param], client_state: Any) -> dict:
     mid_accumulation = engine.micro_steps % engine.policy.gradient_accumulation_steps != 0
     sched = engine.lr_scheduler
     return {
@@ -123,7 +124,7 @@ def _shard_payload(engine: "ZeroEngine", params: list[_Param], client_state: Any
     }
 
 
-def _config_json(engine: "ZeroEngine") -> Any:
+def _config_json(engine: ZeroEngine) -> Any:
     cfg = engine.config  # None when the engine was built without initialize
     if cfg is None:
         return None
@@ -135,7 +136,7 @@ def _config_json(engine: "ZeroEngine") -> Any:
         return repr(cfg)
 
 
-def _manifest(engine: "ZeroEngine", tag: str, params: list[_Param], sizes: list[int]) -> dict:
+def _manifest(engine: ZeroEngine, tag: str, params: list[_Param], sizes: list[int]) -> dict:
     topo, policy, sched = engine.topo, engine.policy, engine.lr_scheduler
     keys = []
     names_by_alias = {a: p.name for p in params for a in p.aliases}
@@ -143,7 +144,7 @@ def _manifest(engine: "ZeroEngine", tag: str, params: list[_Param], sizes: list[
         keys.append({"key": key, "param": names_by_alias[key]} if key in names_by_alias else {"key": key})
     return {
         "format_version": FORMAT_VERSION,
-        "zeropp_version": zeropp.__version__,
+        "zeropp_version": __version__,
         "torch_version": torch.__version__,
         "tag": tag,
         "created_unix": time.time(),
@@ -170,7 +171,7 @@ def _manifest(engine: "ZeroEngine", tag: str, params: list[_Param], sizes: list[
     }
 
 
-def save_checkpoint(engine: "ZeroEngine", save_dir: str, tag: Optional[str] = None,
+def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None,
                     client_state: Any = None, save_latest: bool = True) -> str:
     """Write this rank's shard (and, on rank 0, the manifest and ``latest``); returns the tag directory.
 
@@ -206,7 +207,7 @@ def save_checkpoint(engine: "ZeroEngine", save_dir: str, tag: Optional[str] = No
     return final
 
 
-def _publish(engine: "ZeroEngine", tag: str, params: list[_Param], tmp_dir: str, final: str, nonce: str,
+def _publish(engine: ZeroEngine, tag: str, params: list[_Param], tmp_dir: str, final: str, nonce: str,
              save_latest: bool) -> None:
     """Rank 0, once every shard is on disk: manifest, then one directory rename, then ``latest``."""
     sizes = [os.path.getsize(os.path.join(tmp_dir, shard_name(r))) for r in range(engine.topo.world_size)]
@@ -302,7 +303,7 @@ def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_op
                    head.get("buffers", {}), head.get("client_state"), head.get("loss_scaler"))
 
 
-def _apply(engine: "ZeroEngine", params: list[_Param], loaded: _Loaded, what: "_What") -> None:
+def _apply(engine: ZeroEngine, params: list[_Param], loaded: _Loaded, what: "_What") -> None:
     with torch.no_grad():
         for p in params:
             p.master.copy_(loaded.masters[p.name])
@@ -342,7 +343,7 @@ class _What:
     module_only: bool = False
 
 
-def load_checkpoint(engine: "ZeroEngine", load_dir: str, tag: Optional[str] = None,
+def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str, Any]:
     """Restore the engine from ``load_dir/tag`` (default: the tag ``latest`` names); ``(path, client_state)``.
@@ -377,7 +378,7 @@ def load_checkpoint(engine: "ZeroEngine", load_dir: str, tag: Optional[str] = No
 
 
 # ---- 16-bit weights --------------------------------------------------------------------------------------
-def save_16bit_model(engine: "ZeroEngine", save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
+def save_16bit_model(engine: ZeroEngine, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
     """Gather the full weights (every rank must call) and write them in the compute dtype from rank 0."""
     from zeropp.checkpoint.consolidate import write_state_dict
 
@@ -397,3 +398,52 @@ def save_16bit_model(engine: "ZeroEngine", save_dir: str, save_filename: str = "
             error = err
     _agree(engine, error, "saving the 16-bit model")
     return out
+
+
+# ---- the engine initialize returns ------------------------------------------------------------------------
+class CheckpointingEngine(ZeroEngine):
+    """:class:`ZeroEngine` with DeepSpeed's checkpoint methods; what :func:`zeropp.initialize` returns.
+
+    A subclass here rather than methods on ``ZeroEngine`` so that the engine never imports this package:
+    the training state machine exposes its state, and checkpoint code, one layer up the import graph, reads
+    and writes it. Each method is collective (every rank calls it) and prepares the engine (a delayed
+    update joined, NVMe-offloaded states brought into memory) before calling the functions above.
+    """
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Any = None,
+                        save_latest: bool = True) -> str:
+        """Write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step{N}``); every rank calls.
+
+        Returns the tag directory; ``save_dir/latest`` names it once every rank's shard is on disk.
+        """
+        self._check_checkpointable()
+        self.join_update()
+        with self.residency.resident(self.units, dirty=False):  # NVMe: the rank's whole state, read back
+            return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str, Any]:
+        """Restore weights, optimizer, scheduler, counters and RNG from ``load_dir`` (tag default: ``latest``).
+
+        Works on a different world size too (re-sharding). Returns ``(path, client_state)``. The arguments
+        are DeepSpeed's, in its order; every parameter is always loaded (``load_module_strict=False`` and
+        ``custom_load_fn`` are not supported yet).
+        """
+        if not load_module_strict or custom_load_fn is not None:
+            raise DeepSpeedAPIError("load_checkpoint: load_module_strict=False and custom_load_fn are not "
+                                    "implemented by zeropp yet (a checkpoint always restores every parameter)")
+        self._check_checkpointable()
+        self.join_update()
+        with self.residency.resident(self.units):  # NVMe: in memory while loading, written back after
+            return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                   load_module_only)
+
+    def _check_checkpointable(self) -> None:
+        if not self.plan.shards_optimizer:
+            raise CheckpointError("save_checkpoint/load_checkpoint: stage 0 (every rank holds the whole optimizer "
+                                  "state) is not supported yet; use stage 1, 2 or 3, or consolidated_state_dict()")
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
+        """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""
+        return save_16bit_model(self, save_dir, save_filename)

@@ -86,7 +86,7 @@ class DeepSpeedSurface:
         return self.policy.compute_dtype == torch.float16
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """True: :meth:`save_16bit_model` always gathers the full 16-bit weights."""
+        """True: ``save_16bit_model`` (``checkpoint.CheckpointingEngine``) always gathers the full 16-bit weights."""
         return True
 
     def __getattr__(self, name: str) -> Any:

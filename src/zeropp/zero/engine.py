@@ -41,7 +41,7 @@ from zeropp.partition.unit import Unit, UnitState
 from zeropp.topology import Topology
 from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
-from zeropp.zero.deepspeed_surface import DeepSpeedAPIError, DeepSpeedSurface
+from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.param_use import ParamUse
 
@@ -128,6 +128,9 @@ class ZeroEngine(DeepSpeedSurface):
 
     Use it like DeepSpeed's engine: ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``;
     DeepSpeed's accessors (``train_batch_size()``, ``get_lr()``, ...) come from :class:`DeepSpeedSurface`.
+    Checkpoints are not here: ``zeropp.checkpoint`` reads and writes the state this class exposes, and
+    ``initialize`` returns its subclass ``CheckpointingEngine``, which adds ``save_checkpoint`` & co.
+    (this module must never import ``zeropp.checkpoint``: tests/unit/test_layers.py).
     """
 
     def __init__(
@@ -718,47 +721,3 @@ class ZeroEngine(DeepSpeedSurface):
         """Wait for a delayed update and delete the NVMe offload files (also done at interpreter exit)."""
         self.join_update()
         self.residency.close()
-
-    # ---- checkpoints -------------------------------------------------------------------------------------
-    # Thin delegations to zeropp.checkpoint (format, atomicity and re-sharding live there); all collective.
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Any = None,
-                        save_latest: bool = True) -> str:
-        """Write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step{N}``); every rank calls.
-
-        Returns the tag directory; ``save_dir/latest`` names it once every rank's shard is on disk.
-        """
-        from zeropp.checkpoint import save_checkpoint
-        self._check_checkpointable()
-        self.join_update()
-        with self.residency.resident(self.units, dirty=False):  # NVMe: the rank's whole state, read back
-            return save_checkpoint(self, save_dir, tag, client_state, save_latest)
-
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str, Any]:
-        """Restore weights, optimizer, scheduler, counters and RNG from ``load_dir`` (tag default: ``latest``).
-
-        Works on a different world size too (re-sharding). Returns ``(path, client_state)``. The arguments
-        are DeepSpeed's, in its order; every parameter is always loaded (``load_module_strict=False`` and
-        ``custom_load_fn`` are not supported yet).
-        """
-        from zeropp.checkpoint import load_checkpoint
-        if not load_module_strict or custom_load_fn is not None:
-            raise DeepSpeedAPIError("load_checkpoint: load_module_strict=False and custom_load_fn are not "
-                                    "implemented by zeropp yet (a checkpoint always restores every parameter)")
-        self._check_checkpointable()
-        self.join_update()
-        with self.residency.resident(self.units):  # NVMe: in memory while loading, written back after
-            return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                   load_module_only)
-
-    def _check_checkpointable(self) -> None:
-        from zeropp.checkpoint import CheckpointError
-        if not self.plan.shards_optimizer:
-            raise CheckpointError("save_checkpoint/load_checkpoint: stage 0 (every rank holds the whole optimizer "
-                                  "state) is not supported yet; use stage 1, 2 or 3, or consolidated_state_dict()")
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
-        """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""
-        from zeropp.checkpoint import save_16bit_model
-        return save_16bit_model(self, save_dir, save_filename)

@@ -1,4 +1,4 @@
-"""One rank of one benchmarked system: ``python -m zeropp.bench.worker SPEC.json SYSTEM``.
+"""One rank of one benchmarked system: ``python -m zeropp.cluster_bench.worker SPEC.json SYSTEM``.
 
 Started by the driver with torchrun's environment (inside a node's network namespace when the cluster has them).
 The process trains through every bandwidth phase in order, so start-up is paid once per system:
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeropp.bench import systems
-from zeropp.bench.cluster import read_link_counters
+from zeropp.cluster_bench import systems
+from zeropp.cluster_bench.cluster import read_link_counters
 from zeropp.demo.data import corpus_tokens, get_batch
 from zeropp.demo.model import GPT, GPTConfig
 

@@ -1,6 +1,6 @@
 """``zeropp bench``: every system, every bandwidth, on a simulated cluster; rows, a report and plots.
 
-For each system the driver starts N x R ranks once (``zeropp.bench.worker``) and walks them through the
+For each system the driver starts N x R ranks once (``zeropp.cluster_bench.worker``) and walks them through the
 bandwidths in order, re-shaping the links between phases while the ranks wait. Every run is bounded by
 ``--timeout``; the namespaces are deleted when the run ends, fails or is interrupted.
 """
@@ -18,9 +18,9 @@ import sys
 import time
 from typing import Any, Optional
 
-from zeropp.bench import report
-from zeropp.bench.cluster import Cluster, ClusterError, cleanup_prefix
-from zeropp.bench.catalog import SYSTEMS
+from zeropp.cluster_bench import report
+from zeropp.cluster_bench.cluster import Cluster, ClusterError, cleanup_prefix
+from zeropp.cluster_bench.catalog import SYSTEMS
 
 BANDWIDTHS = {"unlimited": None, "1gbit": "1gbit", "200mbit": "200mbit", "100mbit": "100mbit"}
 DEFAULT_SYSTEMS = list(SYSTEMS)
@@ -214,7 +214,7 @@ def run_system(cluster: Cluster, name: str, spec_path: str, work: str, env: dict
     log_dir = os.path.join(work, "logs", name)
     driver = SystemRun(cluster, name, control, phases, progress)
     cluster.shape(None)
-    ranks = cluster.launch([sys.executable, "-m", "zeropp.bench.worker", spec_path, name], log_dir, env=env)
+    ranks = cluster.launch([sys.executable, "-m", "zeropp.cluster_bench.worker", spec_path, name], log_dir, env=env)
     error = None
     try:
         codes = cluster.wait(ranks, timeout_s, driver.poll)
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
     systems = _select(args.systems, SYSTEMS, "system")
     skipped: dict[str, str] = {}
     if any(SYSTEMS[s][0] == "deepspeed" for s in systems):
-        from zeropp.bench.systems import deepspeed_available
+        from zeropp.cluster_bench.systems import deepspeed_available
 
         ok, why = deepspeed_available()
         if not ok:

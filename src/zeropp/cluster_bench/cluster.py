@@ -283,9 +283,9 @@ def cleanup_prefix(prefix: str) -> list[str]:
     return mine
 
 
-if __name__ == "__main__":  # python -m zeropp.bench.cluster down zpb12345
+if __name__ == "__main__":  # python -m zeropp.cluster_bench.cluster down zpb12345
     if len(sys.argv) == 3 and sys.argv[1] == "down":
         print("deleted:", " ".join(cleanup_prefix(sys.argv[2])) or "nothing")
     else:
-        print("usage: python -m zeropp.bench.cluster down PREFIX", file=sys.stderr)
+        print("usage: python -m zeropp.cluster_bench.cluster down PREFIX", file=sys.stderr)
         sys.exit(2)

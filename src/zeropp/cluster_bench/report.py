@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any, Optional
 
-from zeropp.bench.catalog import NOT_RUNNABLE, SYSTEMS
+from zeropp.cluster_bench.catalog import NOT_RUNNABLE, SYSTEMS
 
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "other")
 MB = 1e6
@@ -230,7 +230,8 @@ def write(result: dict[str, Any], out_dir: str, stem: str = "cluster_bench") -> 
     return paths + plots(result, out_dir, stem)
 
 
-if __name__ == "__main__":  # python -m zeropp.bench.report bench/results/cluster_bench.json: redo the .md and plots
+# python -m zeropp.cluster_bench.report bench/results/cluster_bench.json: redo the .md and plots
+if __name__ == "__main__":
     import sys
 
     path = sys.argv[1]

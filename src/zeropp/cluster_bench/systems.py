@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeropp.bench.catalog import SYSTEMS, ZEROPP_SWITCHES
+from zeropp.cluster_bench.catalog import SYSTEMS, ZEROPP_SWITCHES
 
 @dataclass(frozen=True)
 class TrainSettings:

@@ -1,0 +1,101 @@
+"""The import graph keeps its layers (docs/architecture.md): checked on the source with ``ast``, so an import
+inside a function body counts as much as one at the top of a file, and nothing has to be imported to check."""
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import zeropp
+
+SRC = Path(zeropp.__file__).resolve().parent  # src/zeropp
+#: Packages below the entry points (L0-L3): they must not import the package root, whose __init__ imports
+#: api.py and so the whole library (a cycle from below; a version string comes from zeropp._version).
+BELOW_ROOT = ("zero", "checkpoint", "comm", "partition", "plus", "quant", "offload")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> Iterator[tuple[int, str]]:
+    """``(line, dotted name)`` of everything ``source`` (the text of ``module``) imports, at any depth:
+    ``import a.b``, ``from a import b`` (as ``a.b``), relative imports resolved, and
+    ``importlib.import_module("a.b")`` / ``__import__("a.b")`` with a literal name."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from ..x import y: climb level - 1 packages from this module's package
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}" if alias.name != "*" else base
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                yield node.lineno, node.args[0].value
+
+
+def _sources(*packages: str) -> Iterator[tuple[Path, str]]:
+    for package in packages:
+        for path in sorted((SRC / package).rglob("*.py")):
+            yield path, _module_name(path)
+
+
+def _imports(path: Path, module: str) -> Iterator[tuple[int, str]]:
+    return imported_modules(path.read_text(), module, is_package=path.name == "__init__.py")
+
+
+def _is_checkpoint(name: str) -> bool:
+    return name == "zeropp.checkpoint" or name.startswith("zeropp.checkpoint.")
+
+
+def test_engine_never_imports_checkpoint() -> None:
+    # The engine exposes state and checkpoint/ reads it (checkpoint.CheckpointingEngine adds the methods);
+    # an import back, even a lazy one inside a method, is the cycle zero/engine -> checkpoint -> zero/engine.
+    found = [f"{path.relative_to(SRC.parent)}:{line} imports {name}"
+             for path, module in _sources("zero") for line, name in _imports(path, module) if _is_checkpoint(name)]
+    assert not found, "zeropp.zero must not import zeropp.checkpoint:\n" + "\n".join(found)
+
+
+def test_lower_layers_never_import_the_package_root() -> None:
+    submodules = {p.stem for p in SRC.glob("*.py")} | {p.name for p in SRC.iterdir() if p.is_dir()}
+    found = []
+    for path, module in _sources(*BELOW_ROOT):
+        for line, name in _imports(path, module):
+            # `from zeropp import native` names a module (fine); `import zeropp` or `from zeropp import
+            # initialize` runs zeropp/__init__.py
+            if name == "zeropp" or (name.startswith("zeropp.") and name.count(".") == 1
+                                    and name.split(".")[1] not in submodules):
+                found.append(f"{path.relative_to(SRC.parent)}:{line} imports {name}")
+    assert not found, "import the specific module instead of the zeropp package:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("snippet", [
+    "from zeropp.checkpoint import save_checkpoint",
+    "import zeropp.checkpoint.engine_io as io",
+    "from zeropp import checkpoint",
+    "from ..checkpoint import format",
+    "def save(self):\n    from zeropp.checkpoint import save_checkpoint\n    return save_checkpoint(self)",
+    "class E:\n    def f(self):\n        import importlib\n        return importlib.import_module('zeropp.checkpoint')",
+])
+def test_the_check_sees_every_form_of_import(snippet: str) -> None:
+    names = [n for _, n in imported_modules(textwrap.dedent(snippet), "zeropp.zero.engine")]
+    assert any(_is_checkpoint(n) for n in names), names
+
+
+def test_the_check_reads_the_real_tree() -> None:
+    # not vacuous: the engine module is found and its own imports are seen
+    modules = {module: path for path, module in _sources("zero")}
+    assert "zeropp.zero.engine" in modules
+    names = {n for _, n in _imports(modules["zeropp.zero.engine"], "zeropp.zero.engine")}
+    assert "zeropp.zero.buckets.GradBuckets" in names
