@@ -24,7 +24,8 @@ import json
 import os
 import types
 import typing
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,16 +35,20 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from zeropp.config_auto import AutoValues, resolve_auto
+from zeropp.config_legacy import translate_legacy
 from zeropp.config_models import (
     DEEPSPEED_ONLY_OPTIMIZERS,
     DEEPSPEED_ONLY_SCHEDULERS,
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
+    STATUS_INERT,
     STATUS_PARTIAL,
     STATUS_TUNING,
     UNION_TAGS,
     AdamOptimizerConfig,
+    ActivationCheckpointingConfig,
     AdamParams,
+    AioConfig,
     AnyOptimizerConfig,
     AnySchedulerConfig,
     Bf16Config,
@@ -60,6 +65,7 @@ from zeropp.config_models import (
     Section,
     SGDOptimizerConfig,
     SGDParams,
+    TensorParallelConfig,
     TopologyConfig,
     WarmupCosineLRConfig,
     WarmupCosineLRParams,
@@ -72,7 +78,7 @@ from zeropp.config_models import (
 )
 
 __all__ = [
-    "ConfigError", "NotSupportedError", "load_config", "check_supported", "NOT_SUPPORTED", "Unsupported",
+    "ConfigError", "ConfigWarning", "NotSupportedError", "load_config", "check_supported", "NOT_SUPPORTED", "Unsupported",
     "ZeroppConfig", "BatchPlan", "ZeroConfig", "Bf16Config", "Fp16Config", "TopologyConfig",
     "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "AdamOptimizerConfig",
     "SGDOptimizerConfig", "OtherOptimizerConfig", "AdamParams", "SGDParams", "SchedulerConfig",
@@ -104,6 +110,11 @@ class NotSupportedError(ConfigError):
     """A valid DeepSpeed setting that asks for behaviour zeropp does not have yet."""
 
     what = "settings in the config are not supported yet"
+
+
+class ConfigWarning(UserWarning):
+    """A config key read in another form than written (DeepSpeed's deprecated spellings) or set aside
+    because DeepSpeed does not read it either (see `zeropp.config_legacy`)."""
 
 
 # ------------------------------------------------------------------------------------------------- schema
@@ -138,6 +149,16 @@ class ZeroppConfig(Section):
                                           "reduction; only 1.0 is supported yet.", status=STATUS_PARTIAL)
     zero_allow_untested_optimizer: bool = F(False, doc="DeepSpeed's guard for client optimizers.",
                                             status=STATUS_TUNING)
+    zero_force_ds_cpu_optimizer: bool = F(True, doc="DeepSpeed's guard that offload runs its own CPU Adam; "
+                                          "zeropp runs Adam/AdamW sections as its CpuAdam under offload and a "
+                                          "client optimizer as given.", status=STATUS_TUNING)
+    activation_checkpointing: ActivationCheckpointingConfig = F(
+        default_factory=ActivationCheckpointingConfig, doc="Settings of DeepSpeed's checkpointing API.",
+        status=STATUS_INERT)
+    aio: AioConfig = F(default_factory=AioConfig, doc="DeepSpeed's libaio settings for NVMe offload.",
+                       status=STATUS_TUNING)
+    tensor_parallel: TensorParallelConfig = F(default_factory=TensorParallelConfig, doc="DeepSpeed's "
+                                              "automatic tensor parallelism (off only).", status=STATUS_PARTIAL)
 
     @model_validator(mode="after")
     def _one_precision(self) -> ZeroppConfig:
@@ -219,8 +240,11 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "accepted: 1.0"),
     Unsupported("optimizer.type", lambda v: v in DEEPSPEED_ONLY_OPTIMIZERS,
                 f"DeepSpeed-only optimizer; accepted: {', '.join(OPTIMIZER_TYPES)}"),
-    Unsupported("optimizer.params.bias_correction", lambda v: v is False,
-                "Adam without bias correction; accepted: true"),
+    Unsupported("tensor_parallel.autotp_size", lambda v: v > 1,
+                "tensor parallelism; zeropp partitions over data-parallel ranks only; accepted: 0 or 1"),
+    Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0,
+                "MiCS sub-group sharding; accepted: -1"),
+    Unsupported("aio.use_gds", lambda v: v is True, "GPUDirect Storage; accepted: false"),
     Unsupported("scheduler.type", lambda v: v in DEEPSPEED_ONLY_SCHEDULERS,
                 f"accepted: {', '.join(SCHEDULER_TYPES)}"),
     Unsupported("scheduler.params.last_batch_iteration", lambda v: v != -1,
@@ -284,9 +308,10 @@ def _offload_conflicts(cfg: ZeroppConfig) -> list[str]:
     return out
 
 
-def check_supported(cfg: ZeroppConfig, source: str | None = None) -> None:
-    """Raise one `NotSupportedError` listing every `NOT_SUPPORTED` rule that `cfg` hits."""
-    hits = [line for rule in NOT_SUPPORTED if (line := rule.check(cfg)) is not None]
+def check_supported(cfg: ZeroppConfig, source: str | None = None, more: Iterable[str] = ()) -> None:
+    """Raise one `NotSupportedError` listing every `NOT_SUPPORTED` rule that `cfg` hits (and `more`: the
+    DeepSpeed features switched on that `translate_legacy` set aside)."""
+    hits = list(more) + [line for rule in NOT_SUPPORTED if (line := rule.check(cfg)) is not None]
     hits += _zeropp_below_stage3(cfg) + _offload_conflicts(cfg)
     if hits:
         raise NotSupportedError(hits, source)
@@ -297,27 +322,30 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | ZeroppConfi
                 auto: AutoValues | None = None) -> ZeroppConfig:
     """Read a config from a JSON file path, a dict, or an existing `ZeroppConfig`, and check support.
 
-    `"auto"` values (Hugging Face's) are resolved first from `auto` (see `zeropp.config_auto`).
+    DeepSpeed's deprecated spellings are read as DeepSpeed reads them, with a `ConfigWarning` (see
+    `zeropp.config_legacy`); `"auto"` values (Hugging Face's) are resolved from `auto` (`zeropp.config_auto`).
     Raises `ConfigError` (missing file, invalid JSON with its line, unknown keys, wrong types, an `"auto"`
     nothing resolves...) or `NotSupportedError` (valid DeepSpeed settings zeropp does not implement yet).
     """
-    origin: str | None = None
     if isinstance(source, ZeroppConfig):
-        cfg = source
-    elif isinstance(source, (Mapping, str, os.PathLike)):
-        raw: Any = source
-        if not isinstance(source, Mapping):
-            origin = os.fspath(source)
-            raw = read_json(origin)
-        if isinstance(raw, Mapping):
-            raw, problems = resolve_auto(raw, auto)
-            if problems:
-                raise ConfigError(problems, origin)
-        cfg = parse_config(raw, origin)
-    else:
+        check_supported(source)
+        return source
+    if not isinstance(source, (Mapping, str, os.PathLike)):
         raise ConfigError(f"<config>: got a {type(source).__name__}; accepted: a JSON file path, a dict "
                           "or a ZeroppConfig")
-    check_supported(cfg, origin)
+    origin = None if isinstance(source, Mapping) else os.fspath(source)
+    raw: Any = source if origin is None else read_json(origin)
+    if not isinstance(raw, Mapping):
+        return parse_config(raw, origin)  # raises: the top level is not an object
+    legacy = translate_legacy(raw)
+    resolved, unresolved = resolve_auto(legacy.raw, auto)
+    if legacy.errors or unresolved:
+        raise ConfigError(legacy.errors + unresolved, origin)
+    for note in legacy.notes:
+        warnings.warn(f"{'config file ' + repr(origin) if origin else 'config'}: {note}", ConfigWarning,
+                      stacklevel=2)
+    cfg = parse_config(resolved, origin)
+    check_supported(cfg, origin, legacy.not_supported)
     return cfg
 
 

@@ -30,7 +30,9 @@ _FROM_HIDDEN = {
 _TUNING = ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
            "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
            "zero_optimization.allgather_bucket_size", "zero_optimization.sub_group_size", "steps_per_print",
-           "wall_clock_breakdown")
+           "wall_clock_breakdown",
+           # accelerate fills it from its plugin (default false); save_16bit_model gathers whatever it says
+           "zero_optimization.stage3_gather_16bit_weights_on_model_save")
 
 
 @dataclass(frozen=True)

@@ -102,10 +102,23 @@ class Section(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------- precision
+_BF16_NO_SCALING = ("fp16's loss-scaling key, found in bf16 sections of public configs: bf16 has fp32's "
+                    "range and needs no loss scaling, and DeepSpeed does not read it under bf16 either.")
+
+
 class Bf16Config(Section):
     """`bf16`: bfloat16 mixed precision (16-bit compute and communication, fp32 master weights)."""
 
     enabled: bool = F(False, doc="Train with bf16 weights/activations and fp32 master weights.")
+    immediate_grad_update: bool = F(False, doc="DeepSpeed's bf16 optimizer: add each gradient into its fp32 "
+                                    "accumulator as it is produced; zeropp reduces gradients into fp32 shards as "
+                                    "buckets fill in every case.", status=STATUS_TUNING)
+    loss_scale: Number = F(0.0, ge=0, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
+    initial_scale_power: DSInt = F(16, ge=0, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
+    loss_scale_window: DSInt = F(1000, ge=1, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
+    hysteresis: DSInt = F(2, ge=1, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
+    consecutive_hysteresis: bool = F(False, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
+    min_loss_scale: Number = F(1.0, gt=0, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
 
 
 class Fp16Config(Section):
@@ -187,8 +200,8 @@ class ZeroConfig(Section):
 
     stage: DSInt = F(0, doc="ZeRO stage: 0 plain data parallelism, 1 partitions optimizer state, 2 also "
                      "gradients, 3 also parameters.")
-    reduce_bucket_size: DSInt = F(500_000_000, ge=1, doc="Gradient elements reduced per bucket "
-                                  "(rounded to whole parameters).")
+    reduce_bucket_size: DSInt = F(500_000_000, ge=0, doc="Gradient elements reduced per bucket "
+                                  "(rounded to whole parameters; 0 reduces each parameter on its own).")
     allgather_bucket_size: DSInt = F(500_000_000, ge=1, doc="Stage 1/2 all-gather bucket size.",
                                      status=STATUS_TUNING)
     stage3_prefetch_bucket_size: DSInt = F(50_000_000, ge=0, doc="Elements gathered ahead of use; zeropp "
@@ -219,6 +232,21 @@ class ZeroConfig(Section):
                                        status=STATUS_TUNING)
     load_from_fp32_weights: bool = F(True, doc="Restore fp32 master weights from checkpoints; zeropp "
                                      "always does.", status=STATUS_TUNING)
+    memory_efficient_linear: bool = F(True, doc="DeepSpeed replaces torch's linear under stage 3 so its "
+                                      "saved weight is not kept gathered; zeropp patches nothing: a saved weight "
+                                      "is released and gathered again when backward unpacks it.",
+                                      status=STATUS_TUNING)
+    elastic_checkpoint: bool = F(False, doc="DeepSpeed's stage 1/2 checkpoints that load on another world "
+                                 "size; zeropp's checkpoints always do (re-sharding on load).", status=STATUS_TUNING)
+    override_module_apply: bool = F(True, doc="DeepSpeed wraps module.apply under zero.Init to gather "
+                                    "weights; zeropp initializes meta-built modules through param_init_fn.",
+                                    status=STATUS_TUNING)
+    use_multi_rank_bucket_allreduce: bool = F(True, doc="DeepSpeed's stage 1/2 all-reduce bucketing; zeropp "
+                                              "reduce-scatters buckets.", status=STATUS_TUNING)
+    log_trace_cache_warnings: bool = F(False, doc="DeepSpeed's warnings when its stage-3 trace changes; "
+                                       "zeropp learns and checks its gather spans itself.", status=STATUS_TUNING)
+    mics_shard_size: DSInt = F(-1, ge=-1, doc="MiCS: shard over groups of this size; -1 (off) is accepted, "
+                               "other values are not supported yet.", status=STATUS_PARTIAL)
     zero_quantized_weights: bool = F(False, doc="qwZ: quantize weights for the forward all-gather.")
     zero_quantized_weights_bits: DSInt = F(8, doc="zeropp extension: qwZ bits per weight, 8 or 4.")
     zero_hpz_partition_size: DSInt = F(1, ge=1, doc="hpZ: ranks holding the secondary weight shard "
@@ -258,6 +286,51 @@ class ZeroConfig(Section):
         if v < 2 or v % 2:
             raise problem(f"got {v}", "an even integer >= 2 (int4 packs two values per byte)")
         return v
+
+
+class ActivationCheckpointingConfig(Section):
+    """`activation_checkpointing`: DeepSpeed's settings for its ``deepspeed.checkpointing`` API.
+
+    DeepSpeed reads them only when the model calls ``deepspeed.checkpointing``; zeropp does not provide that
+    API yet (calling ``zeropp.checkpointing`` raises an error naming it), so the keys load and change nothing.
+    ``torch.utils.checkpoint`` and Hugging Face's ``gradient_checkpointing_enable()`` work with every stage.
+    """
+
+    partition_activations: bool = F(False, doc="Split saved checkpoints across model-parallel ranks (needs "
+                                    "deepspeed.checkpointing).", status=STATUS_INERT)
+    cpu_checkpointing: bool = F(False, doc="Keep saved checkpoints on the host (needs deepspeed.checkpointing).",
+                                status=STATUS_INERT)
+    contiguous_memory_optimization: bool = F(False, doc="Copy checkpoints into one buffer (needs "
+                                             "deepspeed.checkpointing).", status=STATUS_INERT)
+    number_checkpoints: DSInt | None = F(None, ge=1, doc="Checkpoints per pass, sizing that buffer.",
+                                         status=STATUS_INERT)
+    synchronize_checkpoint_boundary: bool = F(False, doc="Device synchronization at each checkpoint.",
+                                              status=STATUS_INERT)
+    profile: bool = F(False, doc="Time the checkpointed forward and backward.", status=STATUS_INERT)
+
+
+class AioConfig(Section):
+    """`aio`: DeepSpeed's libaio settings for NVMe offload. zeropp's own asynchronous file I/O
+    (`zeropp.offload.aio`: a pool of threads with 4 MiB staging buffers) does not use them."""
+
+    block_size: DSInt = F(1_048_576, ge=1, doc="libaio request size; zeropp's I/O requests are 4 MiB.",
+                          status=STATUS_TUNING)
+    queue_depth: DSInt = F(8, ge=1, doc="libaio queue depth.", status=STATUS_TUNING)
+    intra_op_parallelism: DSInt = F(1, ge=1, doc="libaio threads; zeropp uses 8 I/O threads.",
+                                    status=STATUS_TUNING)
+    thread_count: DSInt = F(1, ge=1, doc="The older name of intra_op_parallelism (current DeepSpeed no longer "
+                            "reads it).", status=STATUS_TUNING)
+    single_submit: bool = F(False, doc="Submit requests one by one.", status=STATUS_TUNING)
+    overlap_events: bool = F(True, doc="Overlap request submission and completion.", status=STATUS_TUNING)
+    use_gds: bool = F(False, doc="GPUDirect Storage; `true` is not supported yet.", status=STATUS_PARTIAL)
+
+
+class TensorParallelConfig(Section):
+    """`tensor_parallel`: DeepSpeed's automatic tensor parallelism. zeropp partitions over data-parallel
+    ranks only: a size above 1 is not supported."""
+
+    autotp_size: DSInt = F(0, ge=0, doc="Tensor-parallel degree; 0 or 1 (off) is accepted, above 1 is not "
+                           "supported yet.", status=STATUS_PARTIAL)
 
 
 class TopologyConfig(Section):
@@ -309,8 +382,8 @@ class AdamParams(Section):
                              status=STATUS_TUNING)
     fused: bool | None = F(None, doc="torch's fused implementation switch (null = torch decides).",
                            status=STATUS_TUNING)
-    bias_correction: bool = F(True, doc="DeepSpeed FusedAdam key; `false` is not supported yet.",
-                              status=STATUS_PARTIAL)
+    bias_correction: bool = F(True, doc="DeepSpeed FusedAdam key: `false` steps by lr * m / (sqrt(v) + eps) "
+                              "without dividing the moments by 1 - beta**t (zeropp's UncorrectedAdam).")
     torch_adam: bool = F(False, doc="DeepSpeed key choosing torch's Adam over FusedAdam; zeropp always "
                          "uses torch's.", status=STATUS_TUNING)
     adam_w_mode: bool = F(True, doc="DeepSpeed key: for type Adam, true = decoupled weight decay "

@@ -42,7 +42,7 @@ from zeropp.config import (
 
 __all__ = [
     "build_optimizer", "build_scheduler", "default_optimizer_config", "WarmupLR", "WarmupDecayLR",
-    "WarmupCosineLR", "warmup_fraction",
+    "WarmupCosineLR", "warmup_fraction", "UncorrectedAdam",
 ]
 
 Params = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
@@ -63,7 +63,7 @@ def build_optimizer(cfg: OptimizerConfig | None, params: Params, host_adam: bool
 
     ``host_adam`` (optimizer offload): Adam/AdamW run as zeropp's `CpuAdam`, bit-identical to torch's and
     one pass over memory; ``threads`` caps its kernel threads (a delayed update leaves cores to compute).
-    Raises `NotSupportedError` for a DeepSpeed-only optimizer type (e.g. Lamb) or `bias_correction: false`.
+    Raises `NotSupportedError` for a DeepSpeed-only optimizer type (e.g. Lamb).
     """
     cfg = cfg if cfg is not None else default_optimizer_config()
     if isinstance(cfg, AdamOptimizerConfig):
@@ -76,11 +76,17 @@ def build_optimizer(cfg: OptimizerConfig | None, params: Params, host_adam: bool
 
 def _build_adam(cfg: AdamOptimizerConfig, params: Params, host_adam: bool = False,
                 threads: int | None = None) -> torch.optim.Optimizer:
-    """torch AdamW unless type is Adam with adam_w_mode false (DeepSpeed's rule); `CpuAdam` for offload."""
-    if not cfg.params.bias_correction:
-        raise NotSupportedError("optimizer.params.bias_correction: not supported yet: false; accepted: true")
+    """torch AdamW unless type is Adam with adam_w_mode false (DeepSpeed's rule); `CpuAdam` for offload;
+    `UncorrectedAdam` for ``bias_correction: false``."""
     kwargs = cfg.params.model_dump(exclude=_DEEPSPEED_ONLY_KEYS, exclude_none=True)
     decoupled = cfg.type == "AdamW" or cfg.params.adam_w_mode
+    if not cfg.params.bias_correction:
+        for key in ("amsgrad", "maximize"):
+            if kwargs.pop(key, False):
+                raise NotSupportedError(f"optimizer.params.{key}: not supported yet with bias_correction false; "
+                                        "accepted: false")
+        kwargs.pop("foreach", None), kwargs.pop("fused", None)
+        return UncorrectedAdam(params, adamw=decoupled, **kwargs)
     if host_adam:
         from zeropp.offload.cpu_adam import CpuAdam  # builds its kernel on first use only
 
@@ -91,6 +97,54 @@ def _build_adam(cfg: AdamOptimizerConfig, params: Params, host_adam: bool = Fals
         kwargs.pop("foreach", None), kwargs.pop("fused", None)  # torch implementation switches: ours is one
         return CpuAdam(params, adamw=decoupled, threads=threads, **kwargs)
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **kwargs)
+
+
+class UncorrectedAdam(torch.optim.Optimizer):
+    """Adam / AdamW without bias correction: DeepSpeed FusedAdam's ``bias_correction=False``.
+
+    Per step: ``m = beta1 m + (1 - beta1) g``, ``v = beta2 v + (1 - beta2) g^2``, then ``p -= lr * m /
+    (sqrt(v) + eps)``, with no division of ``m`` and ``v`` by ``1 - beta**t`` (early steps are smaller than
+    Adam's). Weight decay is decoupled (``p *= 1 - lr * wd``) when ``adamw``, else added to the gradient.
+    ``state_dict()`` has torch's Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints and
+    re-sharding treat it as they treat torch's Adam.
+    """
+
+    def __init__(self, params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"UncorrectedAdam: invalid lr={lr}, betas={betas}, eps={eps} or "
+                             f"weight_decay={weight_decay}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                                  "adamw": adamw})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # noqa: D102 - torch's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # torch's layout: a float32 0-dim step and two moment buffers
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                grad = p.grad
+                if wd != 0:
+                    if group["adamw"]:
+                        p.mul_(1 - lr * wd)
+                    else:
+                        grad = grad.add(p, alpha=wd)
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                p.addcdiv_(state["exp_avg"], state["exp_avg_sq"].sqrt().add_(group["eps"]), value=-lr)
+        return loss
 
 
 # ------------------------------------------------------------------------------------------- schedulers

@@ -80,7 +80,7 @@ def test_param_groups_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("section", [
-    {"type": "Lamb"}, {"type": "Adam", "params": {"bias_correction": False}},
+    {"type": "Lamb"}, {"type": "Adam", "params": {"bias_correction": False, "amsgrad": True}},
 ])
 def test_unsupported_optimizer_settings_raise(section: dict) -> None:
     with pytest.raises(NotSupportedError):
@@ -198,3 +198,44 @@ def test_unsupported_scheduler_type_raises() -> None:
 def test_direct_construction_rejects_unknown_warmup_type() -> None:
     with pytest.raises(ValueError):
         WarmupLR(sgd(), warmup_type="cosine")
+
+
+# ------------------------------------------------------------------------------ Adam without bias correction
+def _uncorrected_reference(p0: torch.Tensor, grads: list[torch.Tensor], lr: float, betas: tuple[float, float],
+                           eps: float, wd: float, adamw: bool) -> torch.Tensor:
+    """DeepSpeed FusedAdam with bias_correction=False, written out in float64."""
+    p, m, v = p0.double().clone(), torch.zeros_like(p0, dtype=torch.float64), torch.zeros_like(p0, dtype=torch.float64)
+    for g in grads:
+        g = g.double() if adamw else g.double() + wd * p
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        update = m / (v.sqrt() + eps) + (wd * p if adamw else 0)
+        p = p - lr * update
+    return p
+
+
+@pytest.mark.parametrize("kind, adam_w_mode", [("Adam", True), ("Adam", False), ("AdamW", True)])
+def test_bias_correction_false_steps_without_correction(kind: str, adam_w_mode: bool) -> None:
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    p0 = p.detach().clone()
+    params = {"lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "bias_correction": False,
+              "adam_w_mode": adam_w_mode}
+    opt = build_optimizer(optimizer_cfg({"type": kind, "params": params}), [p])
+    grads = [torch.randn(64) for _ in range(5)]
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    decoupled = kind == "AdamW" or adam_w_mode
+    want = _uncorrected_reference(p0, grads, 0.01, (0.8, 0.99), 1e-6, 0.1, decoupled)
+    torch.testing.assert_close(p.detach().double(), want, rtol=1e-5, atol=1e-6)
+    # and it is not torch's corrected Adam: the first steps differ by about 1 / (1 - beta1)
+    ref = torch.nn.Parameter(p0.clone())
+    torch_opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([ref], lr=0.01, betas=(0.8, 0.99), eps=1e-6,
+                                                                      weight_decay=0.1)
+    for g in grads:
+        ref.grad = g.clone()
+        torch_opt.step()
+    assert (ref.detach() - p.detach()).abs().max() > 1e-3
+    state = opt.state_dict()["state"][0]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].item() == 5.0
