@@ -220,8 +220,11 @@ def test_consolidated_file_loads_into_the_plain_model(root, suffix):
 
 
 def test_16bit_model_holds_the_compute_dtype_weights(root):
+    """stage3_gather_16bit_weights_on_model_save: one file, the consolidated weights cast to 16 bits."""
     saved = first(root)[0]["zeropp"]["saved_state"]
+    assert os.listdir(os.path.join(root, "16bit")) == ["pytorch_model.bin"]
     state = torch.load(os.path.join(root, "16bit", "pytorch_model.bin"))
+    assert set(state) == set(saved)
     for k, v in saved.items():
         assert state[k].dtype == torch.bfloat16
         assert torch.equal(state[k], v.to(torch.bfloat16)), k

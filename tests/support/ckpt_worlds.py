@@ -27,7 +27,8 @@ SCHED = {"type": "WarmupLR",
 TWO_NODES = {"topology": {"ranks_per_node": 2}}
 VARIANTS = {
     "zero3": {**config(GB), "scheduler": SCHED, **TWO_NODES},
-    "zeropp": {**config(GB, zero_quantized_weights=True, zero_hpz_partition_size=2, zero_quantized_gradients=True),
+    "zeropp": {**config(GB, zero_quantized_weights=True, zero_hpz_partition_size=2, zero_quantized_gradients=True,
+                        stage3_gather_16bit_weights_on_model_save=True),
                "bf16": {"enabled": True}, "scheduler": SCHED, **TWO_NODES},
     # saved between accumulation boundaries: the partly accumulated gradient shards travel too
     "gas2": {**config(16), "gradient_accumulation_steps": 2, "scheduler": SCHED, **TWO_NODES},
