@@ -5,6 +5,7 @@ and policy the engine is handed (see :func:`build_strategies`).
 """
 from __future__ import annotations
 
+import datetime
 import inspect
 import os
 import socket
@@ -97,17 +98,18 @@ def _pin_memory(zero: ZeroConfig) -> bool:
 
 def _ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
     """Join torchrun's process group (default backend: gloo for host tensors, NCCL for CUDA ones, chosen per
-    tensor where CUDA is present); a lone process without ``kwargs`` forms a world of one. ``kwargs`` go to
-    ``torch.distributed.init_process_group`` (``init_method``, ``rank``, ``world_size``, ``timeout``)."""
+    tensor where CUDA is present); without torchrun's environment and without ``init_method``/``rank``/
+    ``world_size`` a lone process forms a world of one. ``kwargs`` go to ``init_process_group``
+    (``init_method``, ``rank``, ``world_size``, ``timeout``)."""
     if dist.is_initialized():
         return
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if "RANK" not in os.environ and not kwargs:
+    if "RANK" not in os.environ and not (kwargs.keys() - {"timeout"}):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kwargs)
         return
     dist.init_process_group(backend, **kwargs)
 
@@ -193,9 +195,10 @@ def initialize(
         raise RuntimeError("initialize(dist_init_required=False): no process group exists yet")
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    _ensure_process_group()
+    timeout = datetime.timedelta(seconds=cfg.comm_timeout_s)
+    _ensure_process_group(timeout=timeout)
     zero = cfg.zero_optimization
-    topo = topo_mod.build(cfg.topology.ranks_per_node, zero.zero_hpz_partition_size)
+    topo = topo_mod.build(cfg.topology.ranks_per_node, zero.zero_hpz_partition_size, timeout=timeout)
     batch = cfg.resolve_batch(topo.world_size)
     ledger = CommLedger()
     comm = Comm(topo, ledger)

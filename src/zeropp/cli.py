@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import Optional
 
 
@@ -46,6 +47,13 @@ def _train_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--n-embd", type=_positive, default=128, help="model width (default: 128)")
     p.add_argument("--log-every", type=_positive, default=10, help="steps between progress lines off a terminal")
     p.add_argument("--out", default=None, help="write losses and the communication report to this JSON file")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save checkpoints here, and resume from the newest complete one it holds (default: none)")
+    p.add_argument("--save-every", type=_positive, default=None,
+                   help="with --checkpoint-dir: save every N steps (default: only at the end)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all ranks this many times after one fails (torchrun's --max-restarts); with "
+                   "--checkpoint-dir the job continues from the newest checkpoint (default: 0)")
 
 
 def _job_args(args: argparse.Namespace) -> list[str]:
@@ -63,24 +71,48 @@ def _job_args(args: argparse.Namespace) -> list[str]:
         out += ["--nvme-path", os.path.abspath(args.nvme_path)]
     if args.out:
         out += ["--out", os.path.abspath(args.out)]
+    if args.checkpoint_dir:
+        out += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
+    if args.save_every:
+        out += ["--save-every", str(args.save_every)]
     return out
 
 
 def train(args: argparse.Namespace) -> int:
+    """Check what every rank would find alike once, here (one error line, exit 2), then launch the ranks."""
+    from zeropp.config import ConfigError
+    from zeropp.job import PEER_LOST_EXIT, USER_ERROR_EXIT, check_before_launch
+    from zeropp.topology import TopologyError
+
     if args.ranks_per_node and args.nproc % args.ranks_per_node:
         print(f"zeropp train: --ranks-per-node {args.ranks_per_node} must divide --nproc {args.nproc}",
               file=sys.stderr)
         return 2
-    if args.config and not os.path.isfile(args.config):
-        print(f"zeropp train: config file not found: {args.config}", file=sys.stderr)
+    if args.max_restarts < 0:
+        print(f"zeropp train: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
         return 2
+    try:
+        with warnings.catch_warnings():  # the ranks read the config again and warn there
+            warnings.simplefilter("ignore")
+            check_before_launch(args, args.nproc)
+    except (ConfigError, TopologyError) as err:
+        print(f"zeropp train: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launch = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={args.nproc}", "--module", "zeropp.job", *_job_args(args)]
+        ["--standalone", f"--nproc-per-node={args.nproc}", f"--max-restarts={args.max_restarts}",
+         "--module", "zeropp.job", *_job_args(args)]
     )
-    run(launch)
+    try:
+        run(launch)
+    except ChildFailedError as err:
+        codes = {f.exitcode for f in err.failures.values()}
+        if codes <= {USER_ERROR_EXIT, PEER_LOST_EXIT}:  # the ranks said what went wrong, one line each
+            return USER_ERROR_EXIT if USER_ERROR_EXIT in codes else PEER_LOST_EXIT
+        raise
     return 0
 
 
@@ -110,6 +142,30 @@ def consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_parser(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser(
+        "verify-checkpoint",
+        help="check a sharded checkpoint's files without starting any process group",
+        description="Check the tag that DIR/latest names (or --tag): the latest pointer, the manifest (its schema "
+        "and its own SHA-256), every shard file's presence, size and SHA-256 against the manifest, and no "
+        "unexpected shard file. Prints one line per problem and a summary; exit status 0 when valid, 1 if not.",
+    )
+    p.add_argument("ckpt_dir", metavar="DIR", help="the save_dir given to save_checkpoint")
+    p.add_argument("--tag", default=None, help="tag to check (default: the one DIR/latest names)")
+
+
+def verify_checkpoint(args: argparse.Namespace) -> int:
+    from zeropp.checkpoint.verify import verify_report
+
+    report = verify_report(args.ckpt_dir, args.tag)
+    for line in report.notes:
+        print(f"note: {line}")
+    for line in report.problems:
+        print(f"problem: {line}")
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
 def _bench_parser(sub: "argparse._SubParsersAction") -> None:
     from zeropp.cluster_bench.run import parser as bench_parser
 
@@ -136,12 +192,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _consolidate_parser(sub)
+    _verify_parser(sub)
     _bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
     if args.command == "consolidate":
         return consolidate(args)
+    if args.command == "verify-checkpoint":
+        return verify_checkpoint(args)
     if args.command == "bench":
         return bench(args, argv)
     parser.error(f"unknown command {args.command}")

@@ -149,6 +149,9 @@ class ZeroppConfig(Section):
                                           "reduction; only 1.0 is supported yet.", status=STATUS_PARTIAL)
     zero_allow_untested_optimizer: bool = F(False, doc="DeepSpeed's guard for client optimizers.",
                                             status=STATUS_TUNING)
+    comm_timeout_s: Number = F(300.0, gt=0, doc="zeropp extension: seconds any collective may wait for the "
+                               "other ranks before it fails with PeerLostError (a killed or lost rank never hangs "
+                               "the rest).")
     zero_force_ds_cpu_optimizer: bool = F(True, doc="DeepSpeed's guard that offload runs its own CPU Adam; "
                                           "zeropp runs Adam/AdamW sections as its CpuAdam under offload and a "
                                           "client optimizer as given.", status=STATUS_TUNING)

@@ -2,7 +2,9 @@
 
 Trains the shipped GPT on the shipped corpus, shows progress on rank 0, and ends with the communication
 report (bytes per step by phase and link, next to the ZeRO-3 formula). ``--out`` writes the loss curve
-and the report as JSON, which the convergence benchmark reads.
+and the report as JSON, which the convergence benchmark reads. ``--checkpoint-dir D --save-every N`` saves
+every N steps (and at the end) and resumes from the newest complete checkpoint in D when there is one, so a
+job launched with ``--max-restarts`` continues after a rank dies, bit for bit as if it had not.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -20,10 +23,12 @@ import torch.distributed as dist
 
 import zeropp
 from zeropp import accounting
-from zeropp.config import load_config
+from zeropp.checkpoint import CheckpointError
+from zeropp.comm.ops import PeerLostError
+from zeropp.config import ConfigError, load_config
 from zeropp.demo.data import corpus_tokens, get_batch
 from zeropp.demo.model import GPT, GPTConfig
-from zeropp.topology import Layout
+from zeropp.topology import Layout, TopologyError
 
 #: The embedded default: ZeRO-3 with all three ZeRO++ techniques, bf16, AdamW with warm-up.
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -61,7 +66,18 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--save-every", type=int, default=0)
     return p
+
+
+def check_before_launch(args: argparse.Namespace, world: int) -> None:
+    """What every rank would find alike, found once before any process starts: the config (file, keys,
+    values, combinations) and the rank layout it asks for (ranks per node, hpZ group size). Raises
+    ``ConfigError`` or ``TopologyError`` naming the key."""
+    cfg = resolve_config(args, world)
+    layout = Layout(world, _ranks_per_node(cfg, world))
+    layout.check_hpz(cfg["zero_optimization"].get("zero_hpz_partition_size") or 1)
 
 
 def resolve_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
@@ -156,6 +172,53 @@ def print_report(measured: dict[str, dict[str, int]], zero3: dict[str, dict[str,
         print(f"inter-node bytes vs ZeRO-3: {tot[1] / tot[3]:.3f}x")
 
 
+# Errors every rank meets alike (a bad config, layout or checkpoint): rank 0 prints one line, all exit 2.
+USER_ERRORS = (ConfigError, TopologyError, CheckpointError)
+USER_ERROR_EXIT, PEER_LOST_EXIT = 2, 3
+KILL_ENV, KILL_DIR_ENV = "ZEROPP_TEST_KILL", "ZEROPP_TEST_KILL_DIR"  # test-only fault injection, see _kill_point
+
+
+def _kill_point(step: int, rank: int) -> None:
+    """Test hook: ``ZEROPP_TEST_KILL="STEP:RANK,..."`` SIGKILLs that rank in the middle of that step (after its
+    backward), once: a marker in ``ZEROPP_TEST_KILL_DIR`` keeps a restarted job from dying there again."""
+    plan, marks = os.environ.get(KILL_ENV), os.environ.get(KILL_DIR_ENV)
+    if not plan or f"{step}:{rank}" not in plan.split(",") or not marks:
+        return
+    mark = os.path.join(marks, f"killed-{step}-{rank}")
+    if os.path.exists(mark):
+        return
+    with open(mark, "w"):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m zeropp.job``: run, and turn the errors users cause into one line and an exit status."""
+    try:
+        run(argv)
+        return 0
+    except USER_ERRORS as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"zeropp train: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT
+    except PeerLostError as err:
+        print(f"zeropp train: {err}", file=sys.stderr, flush=True)
+        return PEER_LOST_EXIT
+
+
+def _resume(engine: Any, args: argparse.Namespace, rank: int) -> tuple[int, list[float]]:
+    """The step to start at and the losses so far: from the newest complete checkpoint in
+    ``--checkpoint-dir``, or 0 and none when it holds none yet (the first launch)."""
+    if not args.checkpoint_dir:
+        return 0, []
+    path, client = engine.load_checkpoint(args.checkpoint_dir)
+    if path is None:
+        return 0, []
+    if rank == 0:
+        print(f"zeropp: resumed from {path} at step {client['step']}", flush=True)
+    return int(client["step"]), list(client["losses"])
+
+
 def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = job_parser().parse_args(argv)
     torch.set_num_threads(1)  # several ranks share few cores
@@ -179,14 +242,15 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
               f"{'bf16' if cfg.get('bf16', {}).get('enabled') else 'fp32'}"
               f"{_offload_words(engine, cfg)}", flush=True)
     progress = Progress(args.steps, args.log_every)
-    losses: list[float] = []
+    start, losses = _resume(engine, args, rank)
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         for micro_step in range(micro.gradient_accumulation_steps):
             x, y = get_batch(tokens, step * micro.gradient_accumulation_steps + micro_step, global_batch,
                              args.block_size, args.seed, rank, world)
             loss = engine(x, y)
             engine.backward(loss)
+            _kill_point(step, rank)
             engine.step()
         value = loss.detach().float().reshape(1)
         dist.all_reduce(value)
@@ -195,8 +259,10 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
             raise FloatingPointError(f"loss is {losses[-1]} at step {step}")
         if rank == 0:
             elapsed = time.perf_counter() - t0
-            progress.update(step, losses[-1], (step + 1) * global_batch * args.block_size *
+            progress.update(step, losses[-1], (step + 1 - start) * global_batch * args.block_size *
                             micro.gradient_accumulation_steps / elapsed)
+        if args.checkpoint_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            engine.save_checkpoint(args.checkpoint_dir, client_state={"step": step + 1, "losses": losses})
     report = engine.comm_report()
     zero3 = formula_report(numels, Layout(world, engine.topo.ranks_per_node), rank)
     result = {"losses": losses, "comm": report, "zero3_formula": zero3, "config": cfg,
@@ -216,4 +282,4 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run()
+    sys.exit(main())

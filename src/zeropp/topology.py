@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -132,16 +133,19 @@ def build(
     ranks_per_node: Optional[int] = None,
     hpz_partition_size: int = 1,
     new_group: Optional[Callable[[list[int]], Any]] = None,
+    timeout: Optional[timedelta] = None,
 ) -> Topology:
     """Create every process group collectively; call on all ranks with the same arguments.
 
-    ``new_group`` defaults to ``torch.distributed.new_group`` and is a parameter only so that the rank
-    arithmetic can be exercised without a process group.
+    ``timeout`` bounds every collective on these groups (a world group of zeropp's own is made for it, since
+    the default group's timeout is whoever created it). ``new_group`` defaults to
+    ``torch.distributed.new_group`` and is a parameter only so that the rank arithmetic can be exercised
+    without a process group.
     """
     if new_group is None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: launch with torchrun (or zeropp train)")
-        new_group = lambda ranks: dist.new_group(ranks=ranks)  # noqa: E731
+        new_group = lambda ranks: dist.new_group(ranks=ranks, timeout=timeout)  # noqa: E731
         world_size, rank = dist.get_world_size(), dist.get_rank()
     else:
         world_size, rank = _fake_world()
@@ -157,7 +161,11 @@ def build(
         assert mine is not None
         return mine
 
-    world = Group(tuple(range(world_size)), dist.group.WORLD if dist.is_initialized() else None)
+    everyone = tuple(range(world_size))
+    if timeout is not None and world_size > 1:
+        world = make_all([everyone])
+    else:
+        world = Group(everyone, dist.group.WORLD if dist.is_initialized() else None)
     intra = make_all([layout.intra_node_ranks(n) for n in range(layout.num_nodes)])
     inter = make_all([layout.inter_node_ranks(j) for j in range(layout.ranks_per_node)])
     if hpz_partition_size == layout.ranks_per_node:

@@ -40,11 +40,12 @@ def _worker(rank: int, world: int, ranks_per_node: int, port: int, out_dir: str,
 
 
 def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None = None, timeout: float = 600,
-              env: dict[str, str] | None = None) -> list:
+              env: dict[str, str] | None = None, dead: frozenset[int] = frozenset()) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in rank order.
 
     ``env`` is set in the ranks' environment from their start (for settings read before Python runs, such
-    as glibc's malloc tunables).
+    as glibc's malloc tunables). Ranks in ``dead`` are expected to die or hang without a result
+    (fault-injection tests): once the others finish, a hung one is killed; their entry is their exit code.
     """
     rpn = ranks_per_node or world
     with tempfile.TemporaryDirectory() as out_dir:
@@ -62,8 +63,13 @@ def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None =
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        for p in procs:
-            p.join(timeout)
+        for r, p in enumerate(procs):
+            if r not in dead:
+                p.join(timeout)
+        for r, p in enumerate(procs):
+            if r in dead and p.is_alive():  # a hung (stopped) rank: the others are done with it
+                p.kill()
+                p.join()
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -71,6 +77,9 @@ def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None =
         results = []
         for r in range(world):
             path = os.path.join(out_dir, f"{r}.pkl")
+            if r in dead and not os.path.exists(path):
+                results.append(procs[r].exitcode)
+                continue
             if not os.path.exists(path):
                 raise RuntimeError(f"rank {r} exited with code {procs[r].exitcode} and no result")
             with open(path, "rb") as f:

@@ -94,12 +94,30 @@ def test_missing_config_file(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
     assert str(missing) in err and "not found" in err
 
 
+@pytest.mark.parametrize("zero, named", [
+    ({"stage": 3, "zero_hpz_partition_size": 3}, "TopologyError: zero_optimization.zero_hpz_partition_size=3 must "
+                                                 "divide the world size 4"),
+    ({"stage": 3, "stag": 3}, "zero_optimization.stag: unknown key; did you mean 'stage'?"),
+])
+def test_errors_every_rank_would_meet_are_printed_once(tmp_path: Path, zero: dict, named: str) -> None:
+    """The real command, as a user runs it: one line on stderr naming the key, exit status 2, nothing started."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}))
+    proc = subprocess.run([sys.executable, "-m", "zeropp.cli", "train", "--config", str(cfg), "--steps", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("zeropp train: ") and named in lines[0], lines
+
+
 def test_job_args_forward_every_setting(tmp_path: Path) -> None:
     cfg = tmp_path / "c.json"
     args = _train_subparser().parse_args(["--steps", "3", "--seed", "9", "--block-size", "16", "--n-layer", "2",
                                           "--n-embd", "24", "--log-every", "5", "--ranks-per-node", "1",
-                                          "--config", str(cfg), "--no-zeropp", "--out", "r.json"])
+                                          "--config", str(cfg), "--no-zeropp", "--out", "r.json",
+                                          "--checkpoint-dir", "ck", "--save-every", "4"])
     forwarded = job.job_parser().parse_args(cli._job_args(args))
+    assert os.path.isabs(forwarded.checkpoint_dir) and forwarded.save_every == 4
     assert (forwarded.steps, forwarded.seed, forwarded.block_size, forwarded.n_layer, forwarded.n_embd,
             forwarded.log_every, forwarded.ranks_per_node) == (3, 9, 16, 2, 24, 5, 1)
     assert forwarded.zeropp is False

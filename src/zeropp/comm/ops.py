@@ -6,8 +6,9 @@ Single-member groups short-cut to a local copy and move no bytes.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,15 +17,40 @@ from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.topology import Group, Topology
 
 
+class PeerLostError(RuntimeError):
+    """A collective failed because another rank is gone (killed, crashed, unreachable) or did not take part
+    within ``comm_timeout_s``; the message names the collective, its group and this rank."""
+
+
+@contextmanager
+def _peer_errors(what: str, group: Group, rank: int) -> Iterator[None]:
+    """Turn a backend's failure inside a collective (gloo's "Connection closed by peer", NCCL's watchdog,
+    a timeout) into one :class:`PeerLostError`: our own arguments are checked before the call, so what
+    fails inside is the other side."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, PeerLostError):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PeerLostError(f"rank {rank}: {what} over ranks {list(group.ranks)} failed: a peer rank was lost "
+                            f"(killed, crashed or unreachable) or did not take part within comm_timeout_s "
+                            f"[{first}]") from err
+
+
 @dataclass
 class Handle:
     """An in-flight collective; ``wait`` is idempotent and cheap once done."""
 
     work: Any = None
+    what: str = ""
+    group: Optional[Group] = None
+    rank: int = 0
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            with _peer_errors(self.what, self.group or Group(()), self.rank):
+                self.work.wait()
             self.work = None
 
 
@@ -57,8 +83,9 @@ class Comm:
             out.view(-1).copy_(inp.view(-1))
             return DONE
         self._record_per_peer(group, inp.numel() * inp.element_size(), phase)
-        work = _all_gather_single(out.view(-1), inp.reshape(-1), group=group.handle, async_op=async_op)
-        return Handle(work)
+        with _peer_errors("all_gather", group, self.topo.rank):
+            work = _all_gather_single(out.view(-1), inp.reshape(-1), group=group.handle, async_op=async_op)
+        return Handle(work, "all_gather", group, self.topo.rank)
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, phase: Phase, async_op: bool = False
@@ -70,8 +97,9 @@ class Comm:
             out.copy_(inp)
             return DONE
         self._record_per_peer(group, inp.numel() // group.size * inp.element_size(), phase)
-        work = dist.all_to_all_single(out, inp, group=group.handle, async_op=async_op)
-        return Handle(work)
+        with _peer_errors("all_to_all", group, self.topo.rank):
+            work = dist.all_to_all_single(out, inp, group=group.handle, async_op=async_op)
+        return Handle(work, "all_to_all", group, self.topo.rank)
 
     def all_reduce(self, t: torch.Tensor, group: Group, phase: Phase = Phase.OTHER, op: str = "sum",
                    async_op: bool = False) -> Handle:
@@ -82,7 +110,9 @@ class Comm:
         per_peer = 2 * t.numel() * t.element_size() // p
         self._record_per_peer(group, per_peer, phase)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        return Handle(dist.all_reduce(t, op=red, group=group.handle, async_op=async_op))
+        with _peer_errors("all_reduce", group, self.topo.rank):
+            work = dist.all_reduce(t, op=red, group=group.handle, async_op=async_op)
+        return Handle(work, "all_reduce", group, self.topo.rank)
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group, phase: Phase = Phase.OTHER) -> None:
         """In-place broadcast from global rank ``src``."""
@@ -93,9 +123,11 @@ class Comm:
             nbytes = t.numel() * t.element_size()
             same = self.topo.same_node(src)
             self.ledger.record(phase, nbytes if same else 0, 0 if same else nbytes)
-        dist.broadcast(t, src=src, group=group.handle)
+        with _peer_errors("broadcast", group, me):
+            dist.broadcast(t, src=src, group=group.handle)
 
     def barrier(self, group: Optional[Group] = None) -> None:
         g = group or self.topo.world
         if g.size > 1:
-            dist.barrier(group=g.handle)
+            with _peer_errors("barrier", g, self.topo.rank):
+                dist.barrier(group=g.handle)
