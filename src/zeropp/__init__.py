@@ -5,17 +5,17 @@
 
 DeepSpeed's script-level API is here too, so ``import zeropp as deepspeed`` runs DeepSpeed training scripts:
 ``initialize`` (DeepSpeed's arguments), ``add_config_arguments``, ``init_distributed``, ``zero.Init``,
-``zero.GatheredParameters``, ``zero.register_external_parameter``. A DeepSpeed name zeropp lacks raises an
+``zero.GatheredParameters``, ``zero.register_external_parameter``, ``checkpointing.checkpoint``. A DeepSpeed name zeropp lacks raises an
 error that names it.
 """
 from typing import Any
 
-from zeropp import zero
+from zeropp import checkpointing, zero
 from zeropp._version import __version__
 from zeropp.api import InitResult, initialize
 from zeropp.deepspeed_api import MISSING_MODULE_API, add_config_arguments, init_distributed, missing
 
-__all__ = ["initialize", "InitResult", "add_config_arguments", "init_distributed", "zero"]
+__all__ = ["initialize", "InitResult", "add_config_arguments", "init_distributed", "zero", "checkpointing"]
 
 
 def __getattr__(name: str) -> Any:

@@ -291,9 +291,11 @@ class ZeroConfig(Section):
 class ActivationCheckpointingConfig(Section):
     """`activation_checkpointing`: DeepSpeed's settings for its ``deepspeed.checkpointing`` API.
 
-    DeepSpeed reads them only when the model calls ``deepspeed.checkpointing``; zeropp does not provide that
-    API yet (calling ``zeropp.checkpointing`` raises an error naming it), so the keys load and change nothing.
-    ``torch.utils.checkpoint`` and Hugging Face's ``gradient_checkpointing_enable()`` work with every stage.
+    DeepSpeed reads them only when the script calls ``deepspeed.checkpointing.configure``; so does zeropp
+    (``zeropp.checkpointing.configure``), where the keys that would move checkpoints (partitioned, on the
+    host, contiguous) raise an error naming them, since that is not built yet. Loading the config alone
+    changes nothing. ``zeropp.checkpointing.checkpoint``, ``torch.utils.checkpoint`` and Hugging Face's
+    ``gradient_checkpointing_enable()`` work with every stage.
     """
 
     partition_activations: bool = F(False, doc="Split saved checkpoints across model-parallel ranks (needs "
