@@ -8,6 +8,7 @@ worlds run side by side (see ``worlds``); tests/support/ckpt_worlds.py has what 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -21,8 +22,11 @@ from support.ckpt_worlds import GB, MICRO_STEPS, N, VARIANTS, crash_run, elastic
 from support.models import TiedNet, tied_batch
 from support.world import run_world
 from zeropp import cli
-from zeropp.checkpoint import CheckpointError, consolidate, list_tags, load_full_checkpoint
+from zeropp.checkpoint import (
+    FORMAT_VERSION, CheckpointError, CheckpointWarning, consolidate, list_tags, load_full_checkpoint,
+)
 from zeropp.checkpoint.format import MANIFEST, shard_name
+from zeropp.checkpoint.manifest import manifest_digest
 
 
 @pytest.fixture(scope="module")
@@ -235,13 +239,20 @@ def test_manifest_records_layout_and_topology(root):
     first(root)
     with open(os.path.join(root, "zeropp", f"global_step{N}", MANIFEST)) as f:
         m = json.load(f)
-    assert m["format_version"] == 1 and m["zeropp_version"]
+    assert m["format_version"] == 2 and m["zeropp_version"]
     assert m["topology"] == {"world_size": 4, "ranks_per_node": 2, "num_nodes": 2, "hpz_partition_size": 2}
     assert m["engine"]["compute_dtype"] == "bfloat16" and m["engine"]["scheduler"] == "WarmupLR"
     embed = next(p for p in m["params"] if p["name"] == "embed.weight")
     assert embed["shape"] == [13, 7] and embed["numel"] == 91 and embed["world"] == 4 and embed["chunk"] == 24
     assert embed["aliases"] == ["embed.weight", "head.weight"]
     assert [s["file"] for s in m["shards"]] == [shard_name(r) for r in range(4)]
+    tag_dir = os.path.join(root, "zeropp", f"global_step{N}")
+    for s in m["shards"]:  # hashed while written, equal to the file's digest
+        with open(os.path.join(tag_dir, s["file"]), "rb") as f:
+            data = f.read()
+        assert s["bytes"] == len(data) and s["sha256"] == hashlib.sha256(data).hexdigest()
+        assert torch.load(os.path.join(tag_dir, s["file"]), weights_only=False)["nonce"] == m["nonce"]
+    assert m["manifest_sha256"] == manifest_digest(m)
 
 
 # ---- clear errors ----------------------------------------------------------------------------------------
@@ -268,9 +279,9 @@ def test_truncated_shard_names_the_file(root):
 
 
 def test_torn_shard_of_the_recorded_size_names_the_file(root):
-    resumed(root)  # builds root/corrupt
-    with pytest.raises(CheckpointError, match=f"cannot read shard file .*{shard_name(1)}"):
-        load_full_checkpoint(os.path.join(root, "corrupt"))
+    resumed(root)  # builds root/corrupt: same size, so only the checksum tells
+    with pytest.raises(CheckpointError, match=f"shard file corrupted: .*{shard_name(1)} has SHA-256"):
+        load_full_checkpoint(os.path.join(root, "corrupt"), tag=f"global_step{N}")
 
 
 def test_newer_format_version_says_so(root):
@@ -278,10 +289,10 @@ def test_newer_format_version_says_so(root):
     path = os.path.join(d, f"global_step{N}", MANIFEST)
     with open(path) as f:
         m = json.load(f)
-    m["format_version"] = 2
+    m["format_version"] = FORMAT_VERSION + 1
     with open(path, "w") as f:
         json.dump(m, f)
-    with pytest.raises(CheckpointError, match="format version 2, newer than this zeropp reads"):
+    with pytest.raises(CheckpointError, match=f"format version {FORMAT_VERSION + 1}, newer than this zeropp reads"):
         load_full_checkpoint(d)
 
 
@@ -290,7 +301,10 @@ def test_missing_tag_or_latest_says_what_was_looked_for(root):
     with pytest.raises(CheckpointError, match=f"tag 'nope' not found: looked for directory .*nope.*global_step{N}"):
         load_full_checkpoint(d, tag="nope")
     os.unlink(os.path.join(d, "latest"))
-    with pytest.raises(CheckpointError, match="no 'latest' file found: looked for .*latest"):
+    with pytest.warns(CheckpointWarning, match="no 'latest' file found: looked for .*latest"):
+        load_full_checkpoint(d)  # the newest complete tag, with a warning
+    shutil.rmtree(os.path.join(d, f"global_step{N}"))
+    with pytest.raises(CheckpointError, match="no checkpoint to load: .* holds no complete tag .*no 'latest'"):
         load_full_checkpoint(d)
     assert cli.main(["consolidate", d, os.path.join(root, "x.pt")]) == 1
 
@@ -301,10 +315,13 @@ def test_engine_errors_name_the_cause_on_every_rank(root):
         assert "first mismatching parameter is up.weight with shape [12, 7] in the model" in err["mismatch"]
         assert "up.weight with shape [11, 7] in the checkpoint" in err["mismatch"]
         assert "tag 'nope' not found" in err["missing_tag"]
+        # only rank 1 reads the damaged file; every rank names it (Note [one outcome for all ranks])
+        assert shard_name(1) in err["one_rank_corrupt"]
         if rank == 1:
-            assert "cannot read shard file" in err["one_rank_corrupt"] and shard_name(1) in err["one_rank_corrupt"]
+            assert "IntegrityError" in err["one_rank_corrupt"] and "shard file corrupted" in err["one_rank_corrupt"]
         else:
-            assert "failed on rank(s) [1]" in err["one_rank_corrupt"]
+            assert "failed on rank(s) [1]; rank 1: " in err["one_rank_corrupt"]
+            assert "checksum mismatch" in err["one_rank_corrupt"]
         assert err["unchanged"]  # a failed load leaves the engine as it was
 
 

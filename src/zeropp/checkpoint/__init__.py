@@ -4,19 +4,22 @@
     path, client_state = engine.load_checkpoint("ckpt")  # same or different world size
     zeropp.checkpoint.consolidate("ckpt", "model.safetensors")   # no torch.distributed needed
 
-The format and its crash safety are described in ``format.py`` (Note [checkpoint atomicity]); what a
-shard holds and how it re-shards in ``engine_io.py``, which also defines ``CheckpointingEngine`` (the engine
-``initialize`` returns: ``ZeroEngine`` plus these methods; ``zeropp.zero`` never imports this package);
-see also docs/checkpoints.md.
+The format and its crash safety are described in ``format.py`` (Notes [checkpoint atomicity] and [checkpoint
+verification]); ``verify_checkpoint(dir)`` (``zeropp verify-checkpoint``) checks a tag without a process
+group; what a shard holds and how it re-shards in ``engine_io.py``, which also defines ``CheckpointingEngine``
+(the engine ``initialize`` returns: ``ZeroEngine`` plus these methods; ``zeropp.zero`` never imports this
+package); see also docs/checkpoints.md.
 """
 from zeropp.checkpoint.consolidate import (
     FullCheckpoint, consolidate, get_fp32_state_dict_from_zero_checkpoint, load_full_checkpoint, write_state_dict,
 )
 from zeropp.checkpoint.engine_io import CheckpointingEngine, load_checkpoint, save_16bit_model, save_checkpoint
-from zeropp.checkpoint.format import FORMAT_VERSION, CheckpointError, list_tags
+from zeropp.checkpoint.format import FORMAT_VERSION, CheckpointError, CheckpointWarning, IntegrityError, list_tags
+from zeropp.checkpoint.verify import VerifyReport, verify_checkpoint, verify_report
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "save_16bit_model", "consolidate", "load_full_checkpoint",
     "get_fp32_state_dict_from_zero_checkpoint", "write_state_dict", "FullCheckpoint", "CheckpointError",
-    "FORMAT_VERSION", "list_tags", "CheckpointingEngine",
+    "IntegrityError", "CheckpointWarning", "FORMAT_VERSION", "list_tags", "CheckpointingEngine",
+    "verify_checkpoint", "verify_report", "VerifyReport",
 ]

@@ -13,8 +13,11 @@ from typing import Optional
 
 import torch
 
-from zeropp.checkpoint.format import Manifest, atomic_replace, read_manifest, resolve_tag_dir
+from zeropp.checkpoint.format import atomic_replace
+from zeropp.checkpoint.manifest import Manifest, read_manifest
 from zeropp.checkpoint.reshard import read_ranges
+from zeropp.checkpoint.resolve import read_with_fallback
+from zeropp.checkpoint.verify import check_files
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -35,10 +38,17 @@ class FullCheckpoint:
 
 
 def load_full_checkpoint(ckpt_dir: str, tag: Optional[str] = None, with_optimizer: bool = False) -> FullCheckpoint:
-    """Read tag ``tag`` (default: ``latest``) of ``ckpt_dir`` into full fp32 tensors, one shard file at a time."""
-    _, tag_dir = resolve_tag_dir(ckpt_dir, tag)
+    """Read tag ``tag`` (default: ``latest``) of ``ckpt_dir`` into full fp32 tensors, one shard file at a time.
+
+    Every file is verified before it is read; with ``tag=None`` a tag that fails verification is skipped
+    for the newest one that passes, with a :class:`~zeropp.checkpoint.CheckpointWarning` (``resolve.py``).
+    """
+    return read_with_fallback(ckpt_dir, tag, lambda tag_dir: _read_full(tag_dir, with_optimizer))[1]
+
+
+def _read_full(tag_dir: str, with_optimizer: bool) -> FullCheckpoint:
     manifest = read_manifest(tag_dir)
-    manifest.check_shards()
+    check_files(manifest)
     got = read_ranges(manifest, {p.name: (0, p.numel) for p in manifest.params}, with_optimizer)
     shapes = {p.name: p.shape for p in manifest.params}
     full = {name: t.view(shapes[name]) for name, t in got.params.items()}

@@ -18,6 +18,10 @@ Elastic resume: on a different world size each rank rebuilds its new chunk of ev
 optimizer state laid out like the chunk (Adam's ``exp_avg``/``exp_avg_sq``) by streaming the old shard
 files one at a time (``reshard.read_ranges``); scalars (Adam's ``step``), the scheduler and the counters
 come from rank 0's file. RNG states are per rank and are only restored on the same world size.
+
+Every file is verified before it is unpickled (Note [checkpoint verification] in ``format.py``) and every
+step that can fail ends in an agreement of all ranks (Note [one outcome for all ranks] in
+``collective.py``); loading ``latest`` falls back past a damaged tag (``resolve.py``).
 """
 from __future__ import annotations
 
@@ -33,12 +37,15 @@ import numpy as np
 import torch
 
 from zeropp._version import __version__
+from zeropp.checkpoint.collective import agree, agreed_load, shared_nonce, written_of, written_row
+from zeropp.checkpoint.fit import check_model, check_reshardable, check_shard_fits
 from zeropp.checkpoint.format import (
-    FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, Manifest, atomic_write, atomic_write_text, check_tag,
-    crash_point, fsync_dir, load_shard, read_manifest, resolve_tag_dir, shard_name,
+    FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, Written, atomic_write, atomic_write_text, check_tag,
+    crash_point, fsync_dir, shard_name, write_error,
 )
+from zeropp.checkpoint.manifest import Manifest, read_manifest, seal
 from zeropp.checkpoint.reshard import read_ranges
-from zeropp.comm.ledger import Phase
+from zeropp.checkpoint.verify import check_files, open_shard
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 from zeropp.zero.engine import ZeroEngine
 
@@ -77,26 +84,6 @@ def _buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     return {k: t for k, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in params}
 
 
-def _agree(engine: ZeroEngine, error: Optional[BaseException], what: str) -> None:
-    """Raise on every rank if any rank failed, so no rank waits forever in a later collective."""
-    flags = torch.zeros(engine.topo.world_size, dtype=torch.float32)
-    flags[engine.topo.rank] = 1.0 if error is not None else 0.0
-    engine.comm.all_reduce(flags, engine.topo.world, Phase.OTHER)
-    if error is not None:
-        raise error
-    bad = [r for r in range(engine.topo.world_size) if flags[r] > 0]
-    if bad:
-        raise CheckpointError(f"{what} failed on rank(s) {bad}; their error names the cause")
-
-
-def _shared_nonce(engine: ZeroEngine) -> str:
-    # os.urandom, not torch: drawing from torch's generator would change the RNG state being saved
-    value = torch.tensor([int.from_bytes(os.urandom(6), "little") if engine.topo.rank == 0 else 0],
-                         dtype=torch.int64)
-    engine.comm.broadcast(value, 0, engine.topo.world, Phase.OTHER)
-    return f"{int(value.item()):012x}"
-
-
 # ---- save ------------------------------------------------------------------------------------------------
 def _rng_state() -> dict:
     out = {"torch_cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
@@ -105,11 +92,12 @@ def _rng_state() -> dict:
     return out
 
 
-def _shard_payload(engine: ZeroEngine, params: list[_Param], client_state: Any) -> dict:
+def _shard_payload(engine: ZeroEngine, params: list[_Param], client_state: Any, nonce: str) -> dict:
     mid_accumulation = engine.micro_steps % engine.policy.gradient_accumulation_steps != 0
     sched = engine.lr_scheduler
     return {
         "format_version": FORMAT_VERSION,
+        "nonce": nonce,  # the manifest's too: a shard of another save is named as such (verify.open_shard)
         "rank": engine.topo.rank,
         "world_size": engine.topo.world_size,
         "params": {p.name: p.master for p in params},  # views: torch.save writes each unit's row once
@@ -136,7 +124,7 @@ def _config_json(engine: ZeroEngine) -> Any:
         return repr(cfg)
 
 
-def _manifest(engine: ZeroEngine, tag: str, params: list[_Param], sizes: list[int]) -> dict:
+def _manifest(engine: ZeroEngine, tag: str, params: list[_Param], shards: list[Written], nonce: str) -> dict:
     topo, policy, sched = engine.topo, engine.policy, engine.lr_scheduler
     keys = []
     names_by_alias = {a: p.name for p in params for a in p.aliases}
@@ -147,6 +135,7 @@ def _manifest(engine: ZeroEngine, tag: str, params: list[_Param], sizes: list[in
         "zeropp_version": __version__,
         "torch_version": torch.__version__,
         "tag": tag,
+        "nonce": nonce,
         "created_unix": time.time(),
         "config": _config_json(engine),
         "engine": {
@@ -167,7 +156,8 @@ def _manifest(engine: ZeroEngine, tag: str, params: list[_Param], sizes: list[in
                     "unit": p.unit, "chunk": p.chunk, "world": topo.world_size,
                     "optimizer_index": p.optimizer_index} for p in params],
         "state_dict_keys": keys,
-        "shards": [{"rank": r, "file": shard_name(r), "bytes": n} for r, n in enumerate(sizes)],
+        "shards": [{"rank": r, "file": shard_name(r), "bytes": w.size, "sha256": w.sha256}
+                   for r, w in enumerate(shards)],
     }
 
 
@@ -175,24 +165,33 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None
                     client_state: Any = None, save_latest: bool = True) -> str:
     """Write this rank's shard (and, on rank 0, the manifest and ``latest``); returns the tag directory.
 
-    See Note [checkpoint atomicity] in ``format.py`` for why a crash never damages an earlier tag.
+    See Note [checkpoint atomicity] in ``format.py`` for why a crash never damages an earlier tag, and why a
+    failed write (a full disk) fails the save on every rank and leaves the earlier tags and ``latest`` as
+    they were.
     """
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     rank, save_dir = engine.topo.rank, os.path.abspath(save_dir)
-    nonce = _shared_nonce(engine)
+    nonce = shared_nonce(engine)
     tmp_dir, final = os.path.join(save_dir, f".{tag}.tmp-{nonce}"), os.path.join(save_dir, tag)
     params = _params(engine)
     error: Optional[BaseException] = None
+    written: Optional[Written] = None
+    path = os.path.join(tmp_dir, shard_name(rank))
     try:
         os.makedirs(tmp_dir, exist_ok=True)
-        payload = _shard_payload(engine, params, client_state)
-        atomic_write(os.path.join(tmp_dir, shard_name(rank)), lambda f: torch.save(payload, f),
-                     crash_point="shard_write", rank=rank)
+        payload = _shard_payload(engine, params, client_state, nonce)
+        written = atomic_write(path, lambda f: torch.save(payload, f), point="shard", rank=rank)
         crash_point("shard_written", rank)
-    except Exception as err:  # noqa: BLE001 - reported to every rank by _agree
-        error = CheckpointError(f"rank {rank} could not write its shard into {tmp_dir}: {err}")
+    except CheckpointError as err:  # a failed write: names the file and the cause (ENOSPC ...)
+        error = err
+    except OSError as err:  # creating the directory
+        error = write_error(err.filename or path, err)
+    except Exception as err:  # noqa: BLE001 - reported to every rank by agree
+        error = CheckpointError(f"rank {rank} could not write its shard {path}: {err}", file=shard_name(rank),
+                                problem="write failed")
     try:
-        _agree(engine, error, "writing checkpoint shards")
+        rows = agree(engine, error, "writing checkpoint shards", lambda name: os.path.join(tmp_dir, name),
+                     written_row(written))
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -200,29 +199,33 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None
     error = None
     if rank == 0:
         try:
-            _publish(engine, tag, params, tmp_dir, final, nonce, save_latest)
+            _publish(engine, tag, params, [written_of(r) for r in rows], tmp_dir, final, nonce, save_latest)
         except Exception as err:  # noqa: BLE001
             error = err
-    _agree(engine, error, "publishing the checkpoint")
+    agree(engine, error, "publishing the checkpoint",
+          lambda name: os.path.join(save_dir if name == LATEST else tmp_dir, name))
     return final
 
 
-def _publish(engine: ZeroEngine, tag: str, params: list[_Param], tmp_dir: str, final: str, nonce: str,
-             save_latest: bool) -> None:
+def _publish(engine: ZeroEngine, tag: str, params: list[_Param], shards: list[Written], tmp_dir: str, final: str,
+             nonce: str, save_latest: bool) -> None:
     """Rank 0, once every shard is on disk: manifest, then one directory rename, then ``latest``."""
-    sizes = [os.path.getsize(os.path.join(tmp_dir, shard_name(r))) for r in range(engine.topo.world_size)]
-    manifest = _manifest(engine, tag, params, sizes)
-    atomic_write_text(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=1))
-    fsync_dir(tmp_dir)
-    crash_point("before_publish", 0)
     save_dir = os.path.dirname(final)
+    try:
+        manifest = seal(_manifest(engine, tag, params, shards, nonce))
+        atomic_write_text(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=1), point="manifest")
+        fsync_dir(tmp_dir)
+    except BaseException:  # nothing is published yet: leave no torn directory behind
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    crash_point("before_publish", 0)
     if os.path.exists(final):  # re-saving a tag: move the old one aside, never delete before replacing
         os.rename(final, os.path.join(save_dir, f".{tag}.old-{nonce}"))
     os.rename(tmp_dir, final)
     fsync_dir(save_dir)
     crash_point("before_latest", 0)
-    if save_latest:
-        atomic_write_text(os.path.join(save_dir, LATEST), tag)
+    if save_latest:  # a failure here leaves `latest` on the previous tag, the new one complete beside it
+        atomic_write_text(os.path.join(save_dir, LATEST), tag, point="latest")
     for name in os.listdir(save_dir):  # this tag's leftovers: the aside copy, torn saves of earlier crashes
         if name.startswith((f".{tag}.old-", f".{tag}.tmp-")):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
@@ -244,55 +247,18 @@ class _Loaded:
     loss_scaler: Optional[dict] = None  # fp16 only
 
 
-# Optimizers whose state dicts share one layout (torch's Adam family; CpuAdam keeps it on purpose), so a run
-# saved with AdamW resumes with optimizer offload (CpuAdam) and back.
-_SAME_STATE = {"Adam": "adam", "AdamW": "adam", "CpuAdam": "adam"}
-
-
-def _family(optimizer_name: str) -> str:
-    return _SAME_STATE.get(optimizer_name, optimizer_name)
-
-
-def check_model(manifest: Manifest, params: list[_Param], optimizer_name: Optional[str] = None) -> None:
-    """Raise naming the first parameter (name and shape) where the model and the checkpoint differ.
-
-    With ``optimizer_name`` (the optimizer state will be loaded) the optimizer class and the position of
-    each parameter in it must match too.
-    """
-    saved = manifest.params
-    for i in range(max(len(saved), len(params))):
-        if i >= len(saved):
-            raise CheckpointError(f"model does not match checkpoint {manifest.path}: model parameter "
-                                  f"{params[i].name} {list(params[i].shape)} is not in the checkpoint")
-        if i >= len(params):
-            raise CheckpointError(f"model does not match checkpoint {manifest.path}: checkpoint parameter "
-                                  f"{saved[i].name} {list(saved[i].shape)} is not in the model")
-        s, p = saved[i], params[i]
-        if s.name != p.name or tuple(s.shape) != tuple(p.shape):
-            raise CheckpointError(
-                f"model does not match checkpoint {manifest.path}: first mismatching parameter is "
-                f"{p.name} with shape {list(p.shape)} in the model, {s.name} with shape {list(s.shape)} "
-                "in the checkpoint")
-        if optimizer_name is not None and s.optimizer_index != p.optimizer_index:
-            raise CheckpointError(f"parameter {p.name} is optimizer parameter {p.optimizer_index} in the model "
-                                  f"but {s.optimizer_index} in checkpoint {manifest.path} (different trainable set?)")
-    saved_opt = manifest.raw.get("engine", {}).get("optimizer")
-    if optimizer_name and saved_opt and _family(saved_opt) != _family(optimizer_name):
-        raise CheckpointError(f"checkpoint {manifest.path} holds {saved_opt} state, the engine uses {optimizer_name}")
-
-
-def _read_same_world(manifest: Manifest, rank: int) -> _Loaded:
-    shard = load_shard(manifest.shard_path(rank))
+def _read_same_world(manifest: Manifest, rank: int, params: list[_Param], buffers: dict[str, torch.Tensor]
+                     ) -> _Loaded:
+    path = manifest.shard_path(rank)
+    shard = open_shard(manifest, rank)
+    check_shard_fits(shard, path, rank, params, buffers)
     return _Loaded(shard["params"], shard.get("grads"), shard["optimizer"], shard.get("scheduler"),
                    shard["counters"], shard.get("rng"), shard.get("buffers", {}), shard.get("client_state"),
                    shard.get("loss_scaler"))
 
 
 def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_optimizer: bool) -> _Loaded:
-    saved = manifest.raw.get("engine", {})
-    if with_optimizer and saved.get("micro_steps", 0) % max(1, saved.get("gradient_accumulation_steps", 1)):
-        raise CheckpointError(f"checkpoint {manifest.path} was saved between gradient accumulation boundaries; "
-                              "its partly accumulated gradients only resume on the same world size")
+    check_reshardable(manifest, with_optimizer)
     ranges = {p.name: (rank * p.chunk, p.chunk) for p in params}
     got = read_ranges(manifest, ranges, with_optimizer)
     head = got.rank0
@@ -345,34 +311,34 @@ class _What:
 
 def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str, Any]:
-    """Restore the engine from ``load_dir/tag`` (default: the tag ``latest`` names); ``(path, client_state)``.
+                    load_module_only: bool = False) -> tuple[Optional[str], Any]:
+    """Restore the engine from ``load_dir/tag``; ``(path, client_state)``, or ``(None, None)`` (see below).
 
-    Everything is read and checked before the engine is touched: on any error, on any rank, every rank
-    raises and the engine is unchanged. Client state: each rank gets its own on the same world size,
-    rank 0's otherwise. ``load_module_only`` restores the weights (and buffers) alone, e.g. to fine-tune
-    with a fresh optimizer; the optimizer, scheduler, counters and RNG stay as they are.
+    ``tag=None`` reads the tag ``latest`` names, falling back with a warning to the newest older complete
+    tag that passes verification (``resolve.py``); a ``load_dir`` that does not exist or holds no complete
+    tag gives ``(None, None)`` and a warning, so a restarted job can always call this (DeepSpeed's resume
+    idiom). An explicit tag never falls back. Everything is read and verified before the engine is
+    touched: on any error, on any rank, every rank raises and the engine is unchanged. Client state: each
+    rank gets its own on the same world size, rank 0's otherwise. ``load_module_only`` restores the
+    weights (and buffers) alone; the optimizer, scheduler, counters and RNG stay as they are.
     """
     what = _What(load_optimizer_states, load_lr_scheduler_states, load_module_only)
     params = _params(engine)
     rank = engine.topo.rank
-    error: Optional[BaseException] = None
-    loaded = None
-    path = ""
-    try:
-        _, path = resolve_tag_dir(load_dir, tag)
-        manifest = read_manifest(path)
-        manifest.check_shards()
-        with_optimizer = what.optimizer and not what.module_only
+    with_optimizer = what.optimizer and not what.module_only
+
+    def read(tag_dir: str) -> _Loaded:
+        manifest = read_manifest(tag_dir)
+        check_files(manifest)
         check_model(manifest, params, type(engine.optimizer).__name__ if with_optimizer else None)
         if manifest.world_size == engine.topo.world_size:
-            loaded = _read_same_world(manifest, rank)
-        else:
-            loaded = _read_resharded(manifest, params, rank, with_optimizer)
-    except Exception as err:  # noqa: BLE001 - re-raised on this rank by _agree
-        error = err
-    _agree(engine, error, "loading the checkpoint")
-    assert loaded is not None
+            return _read_same_world(manifest, rank, params, _buffers(engine))
+        return _read_resharded(manifest, params, rank, with_optimizer)
+
+    got = agreed_load(engine, load_dir, tag, read)
+    if got is None:
+        return None, None
+    path, loaded = got
     _apply(engine, params, loaded, what)
     return path, loaded.client_state
 
@@ -396,7 +362,7 @@ def save_16bit_model(engine: ZeroEngine, save_dir: str, save_filename: str = "py
             write_state_dict(state, out)
         except Exception as err:  # noqa: BLE001
             error = err
-    _agree(engine, error, "saving the 16-bit model")
+    agree(engine, error, "saving the 16-bit model", lambda name: out)
     return out
 
 
@@ -423,10 +389,12 @@ class CheckpointingEngine(ZeroEngine):
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str, Any]:
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Optional[str], Any]:
         """Restore weights, optimizer, scheduler, counters and RNG from ``load_dir`` (tag default: ``latest``).
 
-        Works on a different world size too (re-sharding). Returns ``(path, client_state)``. The arguments
+        Works on a different world size too (re-sharding). Returns ``(path, client_state)``, or
+        ``(None, None)`` with a warning when ``tag`` is None and ``load_dir`` is missing or holds no complete
+        tag, so a restarted job can always call it; ``latest`` falls back past a damaged tag. The arguments
         are DeepSpeed's, in its order; every parameter is always loaded (``load_module_strict=False`` and
         ``custom_load_fn`` are not supported yet).
         """

@@ -7,43 +7,88 @@ A checkpoint directory ``save_dir`` holds one directory per tag and a ``latest``
     save_dir/
       latest                      # text: the tag written last (written only once that tag is complete)
       global_step20/
-        manifest.json             # rank 0: format version, config, topology, parameters and shard layout
+        manifest.json             # rank 0: format version, config, topology, parameters and shard layout,
+                                  #   every shard's size and SHA-256, the save's nonce, its own SHA-256
         shard_rank00000.pt        # rank r: fp32 master chunks, optimizer/scheduler state, counters, RNG
         shard_rank00001.pt
         ...
 
-Note [checkpoint atomicity]: a tag is written into ``save_dir/.<tag>.tmp-<nonce>`` (a hidden name, one
-nonce per save shared by all ranks); each file in it is written to ``<name>.tmp-<pid>``, fsync'd and
-renamed. After every rank reports success, rank 0 records every shard's size in the manifest (written the
-same way), fsyncs the directory and renames it to ``save_dir/<tag>`` — one ``rename(2)``, atomic on a
-POSIX file system — then fsyncs ``save_dir`` and only then replaces ``latest`` (temporary file, fsync,
-rename). A crash at any point before the directory rename leaves only a hidden temporary directory;
-before the ``latest`` rename, a complete new tag that ``latest`` does not name yet. Either way the previous
-tag is untouched and ``latest`` still names it. Re-saving an existing tag first renames the old directory
-aside to ``save_dir/.<tag>.old-<nonce>`` and deletes it after the new one is in place; should a crash fall
-between those two renames, loading that tag finds the aside copy (see :func:`resolve_tag_dir`). A later
-successful save of a tag deletes that tag's leftovers (aside copies, torn temporary directories).
+Note [checkpoint atomicity]: a tag is written into ``save_dir/.<tag>.tmp-<nonce>`` (a hidden name, one nonce
+per save shared by all ranks); each file in it is written to ``<name>.tmp-<pid>``, fsync'd and renamed; the
+SHA-256 of its bytes is computed as they are written (:func:`atomic_write`). After every rank reports success
+(and its shard's size and digest, in the same all-reduce), rank 0 records them in the manifest (written the
+same way), fsyncs the directory and renames it to ``save_dir/<tag>`` — one ``rename(2)``, atomic on a POSIX
+file system — then fsyncs ``save_dir`` and only then replaces ``latest`` (temporary file, fsync, rename). A
+crash at any point before the directory rename leaves only a hidden temporary directory; before the ``latest``
+rename, a complete new tag that ``latest`` does not name yet. Either way the previous tag is untouched and
+``latest`` still names it. Re-saving an existing tag first renames the old directory aside to
+``save_dir/.<tag>.old-<nonce>`` and deletes it after the new one is in place; should a crash fall between
+those two renames, loading that tag finds the aside copy (see :func:`resolve_tag_dir`). A later successful
+save of a tag deletes that tag's leftovers (aside copies, torn temporary directories). A write that fails
+(``ENOSPC`` or any ``OSError``) removes its temporary file and raises :class:`CheckpointError` naming the
+file; the save then fails on every rank and rank 0 removes the temporary directory, so the previous tag and
+``latest`` stay as they were.
+
+Note [checkpoint verification]: format version 2 makes a tag self-checking. Each shard's size and SHA-256
+are in the manifest, so a truncated, bit-flipped or swapped-in shard is caught before ``torch.load`` ever
+sees its bytes; the save's nonce is in the manifest and in every shard, so files of two saves never mix
+unnoticed; the manifest carries the SHA-256 of its own canonical JSON (``manifest.py``), so an edit to it
+is caught too. What fails these checks raises :class:`IntegrityError`, and only that kind of error makes
+loading ``latest`` fall back to an older tag (``resolve.py``); a checkpoint that is intact but does not fit
+the model raises a plain :class:`CheckpointError` and never falls back. Version-1 tags (sizes only) still
+load, with a :class:`CheckpointWarning` that they cannot be verified.
 """
 from __future__ import annotations
 
-import json
+import errno
+import hashlib
 import os
 import signal
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shard sizes + SHA-256, the save's nonce and the manifest's own SHA-256 (1: sizes only)
 MANIFEST = "manifest.json"
 LATEST = "latest"
+SHARD_PREFIX = "shard_"  # every file in a tag directory that starts with this must be a recorded shard
 CRASH_ENV = "ZEROPP_CKPT_TEST_CRASH"  # test-only: "<point>:<rank>" SIGKILLs that rank at that point
+FAULT_ENV = "ZEROPP_CKPT_TEST_FAULT"  # test-only: "<file>:<rank>" (shard, manifest, latest): ENOSPC mid-write
+_HASH_BLOCK = 1 << 22  # bytes read per step when hashing a file
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read or does not fit the model; the message names the file or parameter."""
+    """A checkpoint that cannot be read or does not fit the model; the message names the file or parameter.
+
+    ``file`` (a base name such as ``shard_rank00001.pt``), ``problem`` (a short phrase) and ``errno`` let
+    the ranks that did not see the error name it too (``collective.agree``).
+    """
+
+    def __init__(self, message: str, *, file: Optional[str] = None, problem: Optional[str] = None,
+                 errno: int = 0) -> None:
+        super().__init__(message)
+        self.file, self.problem, self.errno = file, problem, errno
+
+
+class IntegrityError(CheckpointError):
+    """The checkpoint's files are damaged, incomplete or mixed with another save's (Note [checkpoint
+    verification]); loading ``latest`` falls back past such a tag, never past any other error."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was loaded in a way the caller should know about: an older tag than ``latest``, an
+    unverifiable version-1 tag, or nothing at all (a first launch)."""
 
 
 def shard_name(rank: int) -> str:
     return f"shard_rank{rank:05d}.pt"
+
+
+def shard_rank_of(name: str) -> Optional[int]:
+    """The rank whose shard file is called ``name``, or None for any other name."""
+    digits = name.removeprefix("shard_rank").removesuffix(".pt")
+    if len(digits) == 5 and digits.isdigit() and name == shard_name(int(digits)):
+        return int(digits)
+    return None
 
 
 def check_tag(tag: str) -> str:
@@ -62,6 +107,40 @@ def list_tags(save_dir: str) -> list[str]:
 
 
 # ---- atomic writes ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Written:
+    """A file as :func:`atomic_write` left it: its size and the SHA-256 of its bytes (hex)."""
+
+    size: int
+    sha256: str
+
+
+def sha256_file(path: str) -> str:
+    """The SHA-256 (hex) of a file, read in blocks (never whole into memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe_errno(code: int) -> str:
+    """``no space left on device`` and the like: the phrase an error message should carry."""
+    if code == errno.ENOSPC:
+        return "no space left on device"
+    if code == errno.EDQUOT:
+        return "disk quota exceeded"
+    return os.strerror(code).lower() if code else "failed"
+
+
+def write_error(path: str, err: OSError) -> CheckpointError:
+    """The error a failed write raises: the file, and ``no space left on device`` for ENOSPC."""
+    code = err.errno or 0
+    name = errno.errorcode.get(code, str(code))
+    return CheckpointError(f"cannot write {path}: {describe_errno(code)} ({name}: {err})",
+                           file=os.path.basename(path), problem="write failed", errno=code)
+
+
 def fsync_dir(path: str) -> None:
     """Make a rename or a new entry in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -73,39 +152,92 @@ def fsync_dir(path: str) -> None:
 
 def atomic_replace(path: str, produce: Callable[[str], None]) -> int:
     """``produce(tmp)`` writes a temporary file beside ``path``; it is fsync'd and renamed over ``path`` (and
-    the directory fsync'd), so ``path`` is either the old file or the whole new one. Returns its size."""
+    the directory fsync'd), so ``path`` is either the old file or the whole new one. Returns its size.
+
+    An ``OSError`` on the way (``ENOSPC`` above all) removes the temporary file and raises
+    :class:`CheckpointError` naming ``path`` (:func:`write_error`); ``path`` is then untouched.
+    """
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         produce(tmp)
         with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # delayed allocation can report ENOSPC only here
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+        return os.path.getsize(path)
+    except OSError as err:
+        _remove_quietly(tmp)
+        raise write_error(path, err) from err
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _remove_quietly(tmp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-    return os.path.getsize(path)
 
 
-def atomic_write(path: str, write: Callable[[BinaryIO], None], crash_point: Optional[str] = None,
-                 rank: int = 0) -> int:
-    """:func:`atomic_replace` through ``write(file)``; ``crash_point`` arms the test-only mid-write kill."""
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None], point: Optional[str] = None,
+                 rank: int = 0) -> Written:
+    """:func:`atomic_replace` through ``write(file)``, hashing the bytes on their way to the disk.
+
+    Hashing as they are written saves reading the file back (torch.save streams a zip without seeking;
+    should a writer ever seek, the file is hashed again from disk). ``point`` (``shard``, ``manifest``,
+    ``latest``) names the file for the test-only hooks: a SIGKILL mid-write (``CRASH_ENV``
+    ``shard_write:<rank>``) or ENOSPC mid-write (``FAULT_ENV`` ``<point>:<rank>``).
+    """
+    hashing: list[_HashingWriter] = []
+
     def produce(tmp: str) -> None:
         with open(tmp, "wb") as raw:
-            f = _KillMidWrite(raw) if crash_point and _crash_armed(crash_point, rank) else raw
-            write(f)  # type: ignore[arg-type]
+            f: Any = _HashingWriter(raw)
+            hashing[:] = [f]
+            if point and _crash_armed(f"{point}_write", rank):
+                f = _KillMidWrite(f)
+            if point and _fault_armed(point, rank):
+                f = _FailMidWrite(f)
+            write(f)
 
-    return atomic_replace(path, produce)
+    size = atomic_replace(path, produce)
+    h = hashing[0]
+    return Written(size, sha256_file(path) if h.seeked or h.size != size else h.digest.hexdigest())
 
 
-def atomic_write_text(path: str, text: str) -> int:
-    return atomic_write(path, lambda f: f.write(text.encode()))
+def atomic_write_text(path: str, text: str, point: Optional[str] = None, rank: int = 0) -> Written:
+    return atomic_write(path, lambda f: f.write(text.encode()), point, rank)
+
+
+class _HashingWriter:
+    """A binary file wrapper that feeds every byte written to a SHA-256 and counts them."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.digest, self.size, self.seeked = raw, hashlib.sha256(), 0, False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.digest.update(view)  # hashlib releases the GIL on large buffers
+        self.size += view.nbytes
+        return self.raw.write(view)
+
+    def seek(self, *args: Any) -> int:
+        self.seeked = True  # the stream hash no longer describes the file: hash it from disk after
+        return self.raw.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
 
 
 # ---- test-only crash points ------------------------------------------------------------------------------
 def _crash_armed(point: str, rank: int) -> bool:
     want = os.environ.get(CRASH_ENV, "")
+    return bool(want) and want == f"{point}:{rank}"
+
+
+def _fault_armed(point: str, rank: int) -> bool:
+    want = os.environ.get(FAULT_ENV, "")
     return bool(want) and want == f"{point}:{rank}"
 
 
@@ -134,18 +266,40 @@ class _KillMidWrite:
         return getattr(self.raw, name)
 
 
+class _FailMidWrite:
+    """A file wrapper that writes half of the first buffer and then fails as a full disk does (ENOSPC)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view[: view.nbytes // 2])
+        self.raw.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
 # ---- reading ---------------------------------------------------------------------------------------------
-def resolve_tag_dir(load_dir: str, tag: Optional[str]) -> tuple[str, str]:
-    """``(tag, directory)`` of the checkpoint to load: ``tag``, or the one ``load_dir/latest`` names."""
+def read_latest(load_dir: str) -> tuple[Optional[str], Optional[str]]:
+    """``(tag, None)`` for the tag ``load_dir/latest`` names, or ``(None, why not)``: no file, or no tag in it."""
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(path):
+        return None, f"no '{LATEST}' file found: looked for {path}"
+    try:
+        with open(path, "rb") as f:
+            text = f.read(4096).decode("utf-8").strip()
+        return check_tag(text), None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return None, f"'{LATEST}' file {path} does not name a tag: {err}"
+
+
+def resolve_tag_dir(load_dir: str, tag: str) -> tuple[str, str]:
+    """``(tag, directory)`` of tag ``tag`` in ``load_dir``, or the copy a re-save set aside (see below)."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"checkpoint directory not found: {load_dir}")
-    if tag is None:
-        latest = os.path.join(load_dir, LATEST)
-        if not os.path.isfile(latest):
-            raise CheckpointError(f"no tag given and no '{LATEST}' file found: looked for {latest} "
-                                  f"(tags present: {list_tags(load_dir) or 'none'})")
-        with open(latest) as f:
-            tag = f.read().strip()
     tag = check_tag(tag)
     path = os.path.join(load_dir, tag)
     if os.path.isdir(path):
@@ -157,79 +311,20 @@ def resolve_tag_dir(load_dir: str, tag: Optional[str]) -> tuple[str, str]:
                           f"(tags present: {list_tags(load_dir) or 'none'})")
 
 
-@dataclass(frozen=True)
-class ParamEntry:
-    """One model parameter as the manifest records it (``chunk`` elements per rank over ``world`` ranks)."""
-
-    name: str
-    aliases: tuple[str, ...]
-    shape: tuple[int, ...]
-    numel: int
-    unit: int
-    chunk: int
-    world: int
-    optimizer_index: Optional[int]
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """The parsed ``manifest.json`` of one tag."""
-
-    path: str
-    raw: dict
-
-    @property
-    def world_size(self) -> int:
-        return int(self.raw["topology"]["world_size"])
-
-    @property
-    def params(self) -> list[ParamEntry]:
-        return [ParamEntry(p["name"], tuple(p["aliases"]), tuple(p["shape"]), p["numel"], p["unit"],
-                           p["chunk"], p["world"], p["optimizer_index"]) for p in self.raw["params"]]
-
-    @property
-    def state_dict_keys(self) -> list[dict]:
-        return self.raw["state_dict_keys"]
-
-    def shard_path(self, rank: int) -> str:
-        return os.path.join(os.path.dirname(self.path), self.raw["shards"][rank]["file"])
-
-    def check_shards(self) -> None:
-        """Every shard file exists and has the size the manifest recorded (a torn copy is named)."""
-        for rank, shard in enumerate(self.raw["shards"]):
-            path = self.shard_path(rank)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"shard file missing: {path} (rank {rank} of {self.world_size})")
-            size = os.path.getsize(path)
-            if size != shard["bytes"]:
-                raise CheckpointError(f"shard file truncated or altered: {path} is {size} bytes, the manifest "
-                                      f"recorded {shard['bytes']}")
-
-
-def read_manifest(tag_dir: str) -> Manifest:
-    path = os.path.join(tag_dir, MANIFEST)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint manifest missing: {path}")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read checkpoint manifest {path}: {err}") from err
-    version = raw.get("format_version") if isinstance(raw, dict) else None
-    if not isinstance(version, int):
-        raise CheckpointError(f"{path} is not a zeropp checkpoint manifest (no integer format_version)")
-    if version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format version {version}, newer than this zeropp reads "
-            f"(up to {FORMAT_VERSION}; written by zeropp {raw.get('zeropp_version', '?')}): upgrade zeropp")
-    return Manifest(path, raw)
-
-
 def load_shard(path: str, mmap: bool = False) -> dict:
-    """Read one shard file, naming it in the error when it cannot be read (zeropp's own pickles: trusted)."""
+    """Read one shard file, naming it in the error when it cannot be read (zeropp's own pickles: trusted).
+
+    Callers verify the file's size and SHA-256 first (``verify.open_shard``), so a damaged file never
+    reaches ``torch.load``.
+    """
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        shard = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as err:  # a torn zip, a bad pickle, an I/O error: all name the file
-        raise CheckpointError(f"cannot read shard file {path}: {type(err).__name__}: {err}") from err
+        raise IntegrityError(f"cannot read shard file {path}: {type(err).__name__}: {err}",
+                             file=os.path.basename(path), problem="unreadable") from err
+    if not isinstance(shard, dict):
+        raise IntegrityError(f"shard file {path} holds a {type(shard).__name__}, not a zeropp shard",
+                             file=os.path.basename(path), problem="unreadable")
+    return shard

@@ -13,7 +13,9 @@ from typing import Optional
 
 import torch
 
-from zeropp.checkpoint.format import CheckpointError, Manifest, ParamEntry, load_shard
+from zeropp.checkpoint.format import CheckpointError
+from zeropp.checkpoint.manifest import Manifest, ParamEntry
+from zeropp.checkpoint.verify import open_shard
 
 
 def overlap(numel: int, src_start: int, src_len: int, dst_start: int, dst_len: int) -> Optional[tuple[int, int]]:
@@ -57,17 +59,20 @@ class Assembled:
 def read_ranges(manifest: Manifest, ranges: dict[str, tuple[int, int]], with_optimizer: bool) -> Assembled:
     """Fill ``[start, start + length)`` of each named parameter from the shard files, one file at a time.
 
-    Files are memory-mapped and visited in rank order, so only one is open at once and only the pages
-    overlapping a target range are read.
+    Files are visited in rank order, each verified (size, SHA-256) and then memory-mapped, so only one is
+    open at once; a file that holds no part of any target range is skipped (rank 0's is always read, for
+    the scalars), so a new rank of an elastic resume reads only the few old files its chunk spans.
     """
     entries = [p for p in manifest.params if p.name in ranges]
     out = Assembled(params={p.name: torch.zeros(ranges[p.name][1], dtype=torch.float32) for p in entries})
     for rank in range(manifest.world_size):
+        if rank and not any(overlap(p.numel, rank * p.chunk, p.chunk, *ranges[p.name]) for p in entries):
+            continue
         path = manifest.shard_path(rank)
-        shard = load_shard(path, mmap=True)
+        shard = open_shard(manifest, rank, mmap=True)
         for p in entries:
             src = shard["params"].get(p.name)
-            if src is None or src.numel() != p.chunk:
+            if not isinstance(src, torch.Tensor) or src.numel() != p.chunk:
                 raise CheckpointError(f"shard file {path} has no {p.chunk}-element chunk of parameter {p.name}")
             start, _ = ranges[p.name]
             copy_overlap(out.params[p.name], start, src, rank * p.chunk, p.numel)

@@ -1,0 +1,171 @@
+"""What the ranks of a save or load agree on, in one small all-reduce each time.
+
+Note [one outcome for all ranks]: a checkpoint call either succeeds on every rank or fails on every rank;
+one rank raising while the others enter the next collective would hang them. So after each step that can
+fail (writing the shards, publishing, reading a tag) every rank contributes one row of integers —
+failed?, an :class:`IntegrityError`?, the problem, the file, the errno — to an all-reduce over the world
+(each rank fills only its own row of a zero table, so the sum is an all-gather). A rank that failed raises
+its own error; every other rank raises one built from the first failing rank's row, so it too names the
+file and the problem ("rank 1: .../shard_rank00001.pt: no space left on device"). The same row carries
+extra integers where a step has more to share: a shard's size and SHA-256 after writing it.
+
+:func:`agreed_load` runs the candidates of ``resolve.py`` through this agreement, so every rank falls back
+past the same tag, even when only one of them read the damaged file.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+import torch
+
+from zeropp.checkpoint.format import (
+    LATEST, MANIFEST, CheckpointError, CheckpointWarning, IntegrityError, Written, describe_errno,
+    resolve_tag_dir, shard_name, shard_rank_of,
+)
+from zeropp.checkpoint.resolve import candidates, fallback_warning, no_checkpoint_reason
+from zeropp.comm.ledger import Phase
+
+T = TypeVar("T")
+#: the problems a row can name (CheckpointError.problem); index 0 is anything else
+PROBLEMS = ("failed", "missing", "truncated", "longer than recorded", "unexpected", "checksum mismatch",
+            "from another save", "unreadable", "invalid manifest", "write failed")
+_HEAD = 5  # failed, integrity, problem index, file code, errno
+_MANIFEST_CODE, _LATEST_CODE, _OTHER_CODE = -1, -2, -3
+
+
+def exchange(engine: Any, row: Sequence[int]) -> list[list[int]]:
+    """Every rank's ``row`` (same length on all ranks), in rank order: one int64 all-reduce."""
+    table = torch.zeros(engine.topo.world_size, len(row), dtype=torch.int64)
+    table[engine.topo.rank] = torch.tensor(list(row), dtype=torch.int64)
+    engine.comm.all_reduce(table, engine.topo.world, Phase.OTHER)
+    return table.tolist()
+
+
+def shared_nonce(engine: Any) -> str:
+    """A per-save id that rank 0 draws and every rank receives (recorded in the manifest and every shard)."""
+    # os.urandom, not torch: drawing from torch's generator would change the RNG state being saved
+    value = torch.tensor([int.from_bytes(os.urandom(6), "little") if engine.topo.rank == 0 else 0],
+                         dtype=torch.int64)
+    engine.comm.broadcast(value, 0, engine.topo.world, Phase.OTHER)
+    return f"{int(value.item()):012x}"
+
+
+def _file_code(name: Optional[str]) -> int:
+    if name == MANIFEST:
+        return _MANIFEST_CODE
+    if name == LATEST:
+        return _LATEST_CODE
+    rank = shard_rank_of(name or "")
+    return _OTHER_CODE if rank is None else rank
+
+
+def _file_name(code: int) -> Optional[str]:
+    return {_MANIFEST_CODE: MANIFEST, _LATEST_CODE: LATEST}.get(code) if code < 0 else shard_name(code)
+
+
+def _row(error: Optional[BaseException]) -> list[int]:
+    if error is None:
+        return [0, 0, 0, _OTHER_CODE, 0]
+    problem = getattr(error, "problem", None)
+    code = getattr(error, "errno", 0) or 0
+    return [1, int(isinstance(error, IntegrityError)), PROBLEMS.index(problem) if problem in PROBLEMS else 0,
+            _file_code(getattr(error, "file", None)), int(code) if isinstance(code, int) else 0]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An agreed failure: the failing ranks, whether all of them saw only damaged files, and the error this
+    rank raises (its own, or one that names the first failing rank's file and problem)."""
+
+    ranks: list[int]
+    integrity: bool
+    error: BaseException
+
+
+def settle(engine: Any, error: Optional[BaseException], what: str, locate: Callable[[str], str],
+           extra: Sequence[int] = ()) -> tuple[Optional[Failure], list[list[int]]]:
+    """Share this rank's outcome (and ``extra``); the agreed :class:`Failure`, or None, and every rank's extra."""
+    rows = exchange(engine, _row(error) + list(extra))
+    bad = [r for r, row in enumerate(rows) if row[0]]
+    extras = [row[_HEAD:] for row in rows]
+    if not bad:
+        return None, extras
+    integrity = all(rows[r][1] for r in bad)
+    if error is None:
+        first = rows[bad[0]]
+        name = _file_name(first[3])
+        problem = describe_errno(first[4]) if first[4] else PROBLEMS[first[2]]
+        detail = f"{locate(name)}: {problem}" if name else f"{problem} (its error names the cause)"
+        kind = IntegrityError if integrity else CheckpointError
+        error = kind(f"{what} failed on rank(s) {bad}; rank {bad[0]}: {detail}", file=name,
+                     problem=PROBLEMS[first[2]], errno=first[4])
+    return Failure(bad, integrity, error), extras
+
+
+def agree(engine: Any, error: Optional[BaseException], what: str,
+          locate: Callable[[str], str] = lambda name: name, extra: Sequence[int] = ()) -> list[list[int]]:
+    """Raise on every rank if any rank failed (Note [one outcome for all ranks]); else every rank's extra."""
+    failure, extras = settle(engine, error, what, locate, extra)
+    if failure is not None:
+        raise failure.error
+    return extras
+
+
+# ---- a shard's size and digest, travelling in the agreement row ------------------------------------------
+def written_row(written: Optional[Written]) -> list[int]:
+    """``[size, d0, d1, d2, d3]``: the SHA-256 as four int64 (zeros when nothing was written)."""
+    if written is None:
+        return [0] * 5
+    return [written.size, *struct.unpack("<4q", bytes.fromhex(written.sha256))]
+
+
+def written_of(row: Sequence[int]) -> Written:
+    return Written(int(row[0]), struct.pack("<4q", *(int(v) for v in row[1:5])).hex())
+
+
+# ---- the load every rank agrees on -----------------------------------------------------------------------
+def agreed_load(engine: Any, load_dir: str, tag: Optional[str], read: Callable[[str], T],
+                what: str = "loading the checkpoint") -> Optional[tuple[str, T]]:
+    """``(tag_dir, read(tag_dir))`` on every rank, for tag ``tag`` or the first ``tag=None`` candidate that
+    every rank reads without an :class:`IntegrityError` (``resolve.py``); None, with a warning, when
+    ``load_dir`` is missing or holds no complete tag (DeepSpeed's resume idiom). Raises on every rank."""
+    if tag is not None:
+        tag_dir, result, error = os.path.join(load_dir, str(tag)), None, None
+        try:
+            tag_dir = resolve_tag_dir(load_dir, tag)[1]
+            result = read(tag_dir)
+        except Exception as err:  # noqa: BLE001 - raised on every rank by agree
+            error = err
+        agree(engine, error, what, lambda name: os.path.join(tag_dir, name))
+        return tag_dir, result  # type: ignore[return-value]
+    found = candidates(load_dir)
+    view = found.fingerprint().encode()
+    seen = exchange(engine, [len(found.tags), zlib.crc32(view)])
+    if any(row != seen[0] for row in seen):
+        raise CheckpointError(f"{what}: the ranks see different tags in {load_dir} ({[r[0] for r in seen]} tags): "
+                              "it must be one file system that every rank sees")
+    if not found.tags:
+        warnings.warn(f"zeropp: no checkpoint to resume from: {no_checkpoint_reason(found)}; load_checkpoint "
+                      "returns (None, None)", CheckpointWarning, stacklevel=3)
+        return None
+    skipped = list(found.notes)
+    for cand in found.tags:
+        result, error = None, None
+        try:
+            result = read(cand.tag_dir)
+        except Exception as err:  # noqa: BLE001 - settled on every rank below
+            error = err
+        failure, _ = settle(engine, error, what, lambda name, d=cand.tag_dir: os.path.join(d, name))
+        if failure is None:
+            if skipped:
+                warnings.warn(fallback_warning(load_dir, cand, skipped), CheckpointWarning, stacklevel=3)
+            return cand.tag_dir, result  # type: ignore[return-value]
+        if not failure.integrity:
+            raise failure.error
+        skipped.append(f"skipped '{cand.tag}': {failure.error}")
+    raise IntegrityError(f"no loadable checkpoint in {load_dir}: " + "; ".join(skipped))
