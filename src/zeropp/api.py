@@ -111,7 +111,25 @@ def _ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
             port = s.getsockname()[1]
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kwargs)
         return
+    store = _attempt_store(kwargs.get("timeout")) if not (kwargs.keys() - {"timeout"}) else None
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend, **kwargs)
+
+
+def _attempt_store(timeout: Optional[datetime.timedelta]) -> Optional[dist.Store]:
+    """Under torchrun's agent, its store with a prefix per restart attempt.
+
+    The agent keeps one store for every restart of a job (``TORCHELASTIC_USE_AGENT_STORE``): a restarted
+    worker's gloo mesh would read the previous attempt's addresses from it and fail with "connection
+    refused". Keys under ``/zeropp/attempt_<TORCHELASTIC_RESTART_COUNT>`` keep each attempt apart, which is
+    what lets ``torchrun --max-restarts`` resume a job (tests/dist/test_faults.py).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout or datetime.timedelta(minutes=30))
+    return dist.PrefixStore(f"/zeropp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:

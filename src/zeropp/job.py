@@ -222,7 +222,7 @@ def _resume(engine: Any, args: argparse.Namespace, rank: int) -> tuple[int, list
 def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = job_parser().parse_args(argv)
     torch.set_num_threads(1)  # several ranks share few cores
-    dist.init_process_group("gloo")
+    zeropp.init_distributed("gloo")  # a store prefix per restart attempt under torchrun --max-restarts
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = resolve_config(args, world)
     torch.manual_seed(args.seed)
