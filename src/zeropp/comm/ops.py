@@ -22,15 +22,25 @@ class PeerLostError(RuntimeError):
     within ``comm_timeout_s``; the message names the collective, its group and this rank."""
 
 
+# What a lost or silent peer looks like from inside a collective. gloo raises a plain RuntimeError (not one
+# of torch's DistError classes) whose message names the transport failure; anything else (a dtype the
+# backend lacks, say) is a local error and propagates as it is.
+_PEER_FAILURE = ("connection closed", "connection reset", "connection refused", "broken pipe", "read error",
+                 "write error", "timed out", "timeout", "socket", "watchdog")
+
+
+def _lost_peer(err: RuntimeError) -> bool:
+    return isinstance(err, dist.DistError) or any(s in str(err).lower() for s in _PEER_FAILURE)
+
+
 @contextmanager
 def _peer_errors(what: str, group: Group, rank: int) -> Iterator[None]:
-    """Turn a backend's failure inside a collective (gloo's "Connection closed by peer", NCCL's watchdog,
-    a timeout) into one :class:`PeerLostError`: our own arguments are checked before the call, so what
-    fails inside is the other side."""
+    """Turn a backend's transport failure inside a collective (gloo's "Connection closed by peer", NCCL's
+    watchdog, a timeout) into one :class:`PeerLostError` naming the collective, its ranks and this rank."""
     try:
         yield
     except RuntimeError as err:
-        if isinstance(err, PeerLostError):
+        if isinstance(err, PeerLostError) or not _lost_peer(err):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PeerLostError(f"rank {rank}: {what} over ranks {list(group.ranks)} failed: a peer rank was lost "
