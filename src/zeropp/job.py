@@ -9,6 +9,7 @@ job launched with ``--max-restarts`` continues after a rank dies, bit for bit as
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -25,7 +27,7 @@ import zeropp
 from zeropp import accounting
 from zeropp.checkpoint import CheckpointError
 from zeropp.comm.ops import PeerLostError
-from zeropp.config import ConfigError, load_config
+from zeropp.config import ConfigError, ConfigWarning, ZeroppConfig, load_config, parse_config, read_json
 from zeropp.demo.data import corpus_tokens, get_batch
 from zeropp.demo.model import GPT, GPTConfig
 from zeropp.topology import Layout, TopologyError
@@ -81,13 +83,11 @@ def check_before_launch(args: argparse.Namespace, world: int) -> None:
 
 
 def resolve_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
-    """The default (or the user's file), with the command line's overrides applied."""
-    if args.config:
-        load_config(args.config)  # errors name the file and the key before any training starts
-        with open(args.config) as f:
-            cfg = json.load(f)
-    else:
-        cfg = json.loads(json.dumps(DEFAULT_CONFIG))
+    """The default (or the user's file), with the command line's overrides applied, validated once (errors
+    name the file and the key before any training starts)."""
+    cfg = read_json(args.config) if args.config else json.loads(json.dumps(DEFAULT_CONFIG))
+    if not isinstance(cfg, dict):
+        parse_config(cfg, args.config)  # raises: the top level is not an object
     zero = cfg.setdefault("zero_optimization", {})
     if args.zeropp is not None:
         zero["zero_quantized_weights"] = args.zeropp
@@ -97,7 +97,12 @@ def resolve_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
         cfg.setdefault("topology", {})["ranks_per_node"] = args.ranks_per_node
     if args.offload is not None:
         _set_offload(zero, args.offload, args.nvme_path)
-    load_config(cfg)  # an unsupported combination fails here, with the key named, before any training
+    try:
+        with warnings.catch_warnings():  # initialize reads it again and warns there, once
+            warnings.simplefilter("ignore", ConfigWarning)
+            load_config(cfg)
+    except ConfigError as err:  # name the user's file, as reading it would have
+        raise type(err)(err.problems, args.config) from None
     return cfg
 
 
@@ -222,9 +227,13 @@ def _resume(engine: Any, args: argparse.Namespace, rank: int) -> tuple[int, list
 def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = job_parser().parse_args(argv)
     torch.set_num_threads(1)  # several ranks share few cores
-    zeropp.init_distributed("gloo")  # a store prefix per restart attempt under torchrun --max-restarts
+    cfg = resolve_config(args, int(os.environ.get("WORLD_SIZE", "1")))
+    # through zeropp: a store prefix per restart attempt under torchrun --max-restarts, and the config's
+    # comm_timeout_s on the default group too (the loss average and the final barrier use it)
+    default_timeout = ZeroppConfig.model_fields["comm_timeout_s"].default
+    timeout = datetime.timedelta(seconds=cfg.get("comm_timeout_s", default_timeout))
+    zeropp.init_distributed("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = resolve_config(args, world)
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd))
     numels = [p.numel() for p in model.parameters()]
@@ -253,7 +262,7 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
             _kill_point(step, rank)
             engine.step()
         value = loss.detach().float().reshape(1)
-        dist.all_reduce(value)
+        engine.comm.all_reduce(value, engine.topo.world)  # counted, bounded by comm_timeout_s
         losses.append(value.item() / world)
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"loss is {losses[-1]} at step {step}")
@@ -276,7 +285,7 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
     # Tear down together: a rank that destroys its groups while rank 0 is still writing the report can
     # abort inside gloo ("terminate called without an active exception"), failing the whole launch.
     engine.close()  # deletes this rank's NVMe offload files
-    dist.barrier()
+    engine.comm.barrier()
     dist.destroy_process_group()
     return result
 
