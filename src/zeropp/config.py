@@ -35,7 +35,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from zeropp.config_auto import AutoValues, resolve_auto
-from zeropp.config_legacy import translate_legacy
+from zeropp.config_legacy import json_short, translate_legacy
 from zeropp.config_models import (
     DEEPSPEED_ONLY_OPTIMIZERS,
     DEEPSPEED_ONLY_SCHEDULERS,
@@ -311,11 +311,26 @@ def _offload_conflicts(cfg: ZeroppConfig) -> list[str]:
     return out
 
 
+def _adam_conflicts(cfg: ZeroppConfig) -> list[str]:
+    """Adam settings that cannot work together (UncorrectedAdam and CpuAdam have no amsgrad or maximize)."""
+    opt = cfg.optimizer
+    if not isinstance(opt, AdamOptimizerConfig):
+        return []
+    offload = cfg.zero_optimization.offload_optimizer
+    offloaded = offload is not None and offload.device != "none"
+    out = []
+    for key in ("amsgrad", "maximize"):
+        if getattr(opt.params, key) and (not opt.params.bias_correction or offloaded):
+            why = "bias_correction false" if not opt.params.bias_correction else "offload_optimizer"
+            out.append(f"optimizer.params.{key}: not supported yet with {why}; accepted: false")
+    return out
+
+
 def check_supported(cfg: ZeroppConfig, source: str | None = None, more: Iterable[str] = ()) -> None:
     """Raise one `NotSupportedError` listing every `NOT_SUPPORTED` rule that `cfg` hits (and `more`: the
     DeepSpeed features switched on that `translate_legacy` set aside)."""
     hits = list(more) + [line for rule in NOT_SUPPORTED if (line := rule.check(cfg)) is not None]
-    hits += _zeropp_below_stage3(cfg) + _offload_conflicts(cfg)
+    hits += _zeropp_below_stage3(cfg) + _offload_conflicts(cfg) + _adam_conflicts(cfg)
     if hits:
         raise NotSupportedError(hits, source)
 
@@ -461,13 +476,7 @@ def _type_words(annotation: Any) -> str:
     return "see docs/config.md"
 
 
-def _json(value: Any) -> str:
-    """A short JSON rendering of `value` for messages."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+_json = json_short  # a short JSON rendering of a value, for messages
 
 
 _UNKNOWN_KEY_HINTS = {

@@ -86,7 +86,7 @@ def translate_legacy(raw: Mapping[str, Any]) -> Translation:
         if key in tree:
             value = tree.pop(key)
             if not is_off(value):
-                out.not_supported.append(f"{key}: not supported yet: {_short(value)} ({what}); accepted: "
+                out.not_supported.append(f"{key}: not supported yet: {json_short(value)} ({what}); accepted: "
                                          "the section switched off or left out")
     if "bfloat16" in tree:
         if "bf16" in tree:
@@ -125,13 +125,17 @@ def _offload_flags(zero: dict[str, Any], out: Translation) -> dict[str, Any]:
         elif value is True:
             zero[new] = {"device": "cpu"}
         elif value not in (False, None):
-            out.errors.append(f"zero_optimization.{old}: expected true or false, got {_short(value)}; accepted: "
-                              "true or false")
+            out.errors.append(f"zero_optimization.{old}: expected true or false, got {json_short(value)}; "
+                              "accepted: true or false")
             continue
         out.notes.append(f"zero_optimization.{old}: DeepSpeed's deprecated flag, read as zero_optimization.{new}"
                          + (" {\"device\": \"cpu\"}" if value is True else " left out"))
     if "cpu_offload_use_pin_memory" in zero:
         pin = zero.pop("cpu_offload_use_pin_memory")
+        if pin not in (True, False, None):
+            out.errors.append(f"zero_optimization.cpu_offload_use_pin_memory: expected true or false, got "
+                              f"{json_short(pin)}; accepted: true or false")
+            return zero
         for _, new in _OFFLOAD_FLAGS:
             section = zero.get(new)
             if isinstance(section, Mapping) and pin is True:
@@ -141,7 +145,7 @@ def _offload_flags(zero: dict[str, Any], out: Translation) -> dict[str, Any]:
     return zero
 
 
-def _short(value: Any) -> str:
+def json_short(value: Any) -> str:
     """``value`` as short JSON, for messages."""
     try:
         text = json.dumps(value)

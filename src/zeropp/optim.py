@@ -80,21 +80,16 @@ def _build_adam(cfg: AdamOptimizerConfig, params: Params, host_adam: bool = Fals
     `UncorrectedAdam` for ``bias_correction: false``."""
     kwargs = cfg.params.model_dump(exclude=_DEEPSPEED_ONLY_KEYS, exclude_none=True)
     decoupled = cfg.type == "AdamW" or cfg.params.adam_w_mode
-    if not cfg.params.bias_correction:
-        for key in ("amsgrad", "maximize"):
-            if kwargs.pop(key, False):
-                raise NotSupportedError(f"optimizer.params.{key}: not supported yet with bias_correction false; "
-                                        "accepted: false")
-        kwargs.pop("foreach", None), kwargs.pop("fused", None)
+    if not cfg.params.bias_correction:  # amsgrad/maximize with it are refused by config.check_supported
+        for key in ("amsgrad", "maximize", "foreach", "fused"):
+            kwargs.pop(key, None)
+        # also under offload: CpuAdam's fused kernel always corrects; this runs on the host masters as they are
         return UncorrectedAdam(params, adamw=decoupled, **kwargs)
     if host_adam:
         from zeropp.offload.cpu_adam import CpuAdam  # builds its kernel on first use only
 
-        for key in ("amsgrad", "maximize"):
-            if kwargs.pop(key, False):
-                raise NotSupportedError(f"optimizer.params.{key}: not supported yet with offload_optimizer; "
-                                        "accepted: false")
-        kwargs.pop("foreach", None), kwargs.pop("fused", None)  # torch implementation switches: ours is one
+        for key in ("amsgrad", "maximize", "foreach", "fused"):  # the first two: refused by check_supported
+            kwargs.pop(key, None)
         return CpuAdam(params, adamw=decoupled, threads=threads, **kwargs)
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **kwargs)
 
@@ -105,8 +100,8 @@ class UncorrectedAdam(torch.optim.Optimizer):
     Per step: ``m = beta1 m + (1 - beta1) g``, ``v = beta2 v + (1 - beta2) g^2``, then ``p -= lr * m /
     (sqrt(v) + eps)``, with no division of ``m`` and ``v`` by ``1 - beta**t`` (early steps are smaller than
     Adam's). Weight decay is decoupled (``p *= 1 - lr * wd``) when ``adamw``, else added to the gradient.
-    ``state_dict()`` has torch's Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints and
-    re-sharding treat it as they treat torch's Adam.
+    ``state_dict()`` has torch's Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints
+    re-shard its moments as they do torch's (a checkpoint of another optimizer family does not load into it).
     """
 
     def __init__(self, params: Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

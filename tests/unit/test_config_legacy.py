@@ -41,6 +41,8 @@ def test_a_deprecated_flag_beside_its_section_is_an_error() -> None:
                                            "offload_optimizer": {"device": "cpu"}}})
     with pytest.raises(ConfigError, match="zero_optimization.cpu_offload: expected true or false"):
         load_config({"zero_optimization": {"stage": 2, "cpu_offload": "yes"}})
+    with pytest.raises(ConfigError, match="zero_optimization.cpu_offload_use_pin_memory: expected true or false"):
+        load_config({"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": "yes"}})
 
 
 def test_keys_deepspeed_does_not_read_are_dropped_with_a_warning() -> None:
