@@ -220,21 +220,8 @@ def initialize(
     batch = cfg.resolve_batch(topo.world_size)
     ledger = CommLedger()
     comm = Comm(topo, ledger)
-    compute_dtype, scaler = _precision(cfg)
-    offload = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
-    offload_param = zero.offload_param is not None and zero.offload_param.device != "none"
-    policy = TrainPolicy(
-        compute_dtype=compute_dtype,
-        gradient_accumulation_steps=batch.gradient_accumulation_steps,
-        gradient_clipping=cfg.gradient_clipping,
-        reduce_bucket_size=zero.reduce_bucket_size,
-        stage=zero.stage,
-        loss_scaler=scaler,
-        delayed_update_after=_delayed_update_after(zero),
-        offload_optimizer=offload,
-        offload_param=offload_param,
-        gather_granularity=zero.gather_granularity,
-    )
+    policy = _train_policy(cfg, batch.gradient_accumulation_steps)
+    compute_dtype, offload = policy.compute_dtype, policy.offload_optimizer
     trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
     named = dict(model.named_parameters())  # masters are named after the parameter they shard
 
@@ -251,7 +238,7 @@ def initialize(
     # NVMe files are created and their space reserved now: a bad path fails before any work
     residency = build_residency(zero, model, topo.world_size if zero.stage >= 1 else 1, compute_dtype, topo.rank)
     try:
-        link = build_link(_model_device(model), offload or offload_param, _pin_memory(zero))
+        link = build_link(_model_device(model), offload or policy.offload_param, _pin_memory(zero))
         engine = CheckpointingEngine(
             model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
             make_scheduler=_scheduler_factory(lr_scheduler, lambda opt: build_scheduler(cfg.scheduler, opt)),
@@ -265,13 +252,31 @@ def initialize(
         residency.close()  # no offload file outlives a failed start
         raise
     loader = None
-    if training_data is not None:
+    if training_data is not None:  # DeepSpeed's loader: micro-batches of this rank's part of each epoch
         sampler = torch.utils.data.DistributedSampler(
             training_data, num_replicas=topo.world_size, rank=topo.rank, shuffle=True
         )
         loader = torch.utils.data.DataLoader(training_data, batch_size=batch.micro_batch_per_rank, sampler=sampler,
                                              collate_fn=collate_fn)
     return InitResult(engine, engine.optimizer, loader, engine.lr_scheduler)
+
+
+def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainPolicy:
+    """The engine's policy: precision, accumulation, clipping, buckets, stage, offload and gather units."""
+    zero = cfg.zero_optimization
+    compute_dtype, scaler = _precision(cfg)
+    return TrainPolicy(
+        compute_dtype=compute_dtype,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        gradient_clipping=cfg.gradient_clipping,
+        reduce_bucket_size=zero.reduce_bucket_size,
+        stage=zero.stage,
+        loss_scaler=scaler,
+        delayed_update_after=_delayed_update_after(zero),
+        offload_optimizer=zero.offload_optimizer is not None and zero.offload_optimizer.device != "none",
+        offload_param=zero.offload_param is not None and zero.offload_param.device != "none",
+        gather_granularity=zero.gather_granularity,
+    )
 
 
 def _hidden_size(model: nn.Module) -> Optional[int]:

@@ -18,7 +18,6 @@ docs/config.md, activation_checkpointing).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch.utils.checkpoint as torch_checkpoint
@@ -28,15 +27,7 @@ from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 __all__ = ["checkpoint", "configure", "is_configured", "reset"]
 
 
-@dataclass
-class _Settings:
-    configured: bool = False
-    num_checkpoints: Optional[int] = None
-    synchronize: bool = False
-    profile: bool = False
-
-
-_settings = _Settings()
+_configured = False  # DeepSpeed's is_configured(); the settings that change nothing here are not kept
 _NOT_BUILT = {
     "partition_activations": "split each saved checkpoint across ranks",
     "checkpoint_in_cpu": "keep saved checkpoints on the host",
@@ -76,21 +67,19 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     if on:
         raise DeepSpeedAPIError("checkpointing.configure: not implemented by zeropp yet: " + "; ".join(
             f"{name}=True ({_NOT_BUILT[name]})" for name in on))
-    _settings.configured = True
-    _settings.num_checkpoints = _pick(num_checkpoints, section.get("number_checkpoints"))
-    _settings.synchronize = bool(_pick(synchronize, section.get("synchronize_checkpoint_boundary")))
-    _settings.profile = bool(_pick(profile, section.get("profile")))
+    global _configured
+    _configured = True  # num_checkpoints, synchronize and profile tune buffers and timers zeropp does not keep
 
 
 def is_configured() -> bool:
     """True once :func:`configure` ran (DeepSpeed's check before using the module)."""
-    return _settings.configured
+    return _configured
 
 
 def reset() -> None:
     """Forget the settings (DeepSpeed resets its buffers between iterations; zeropp keeps none)."""
-    global _settings
-    _settings = _Settings()
+    global _configured
+    _configured = False
 
 
 def _pick(argument: Any, from_config: Any) -> Any:

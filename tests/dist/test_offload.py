@@ -58,7 +58,8 @@ def run(rank: int, world: int) -> dict:
     for case in LINK_CASES:
         out[(case, "threaded")] = train(rank, world, case_config(*case, True), ThreadedLink())
     with mock.patch.object(ZeroEngine, "_await_upload", lambda self, unit: None):  # a gather that does not wait
-        out["no_wait"] = train(rank, world, case_config(3, "bf16", False, True), ThreadedLink())
+        # a slower copy engine: the early read must land before the copy even on a loaded machine
+        out["no_wait"] = train(rank, world, case_config(3, "bf16", False, True), ThreadedLink(delay=0.05))
     return out
 
 
