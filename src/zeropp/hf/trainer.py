@@ -1,0 +1,344 @@
+"""``ZeroppTrainer``: a ``transformers.Trainer`` whose model is trained by a zeropp engine (ZeRO stages 0-3
+and ZeRO++), configured by a DeepSpeed-style JSON whose ``"auto"`` values come from the ``TrainingArguments``.
+
+The seam, in the order the Trainer's loop meets it (transformers 5.x, ``Trainer._inner_training_loop``):
+
+* ``_prepare_for_training`` — where the Trainer creates the optimizer and scheduler and lets accelerate wrap
+  the model — builds the engine instead (``zeropp.initialize``), once the run's number of steps is known,
+  and restores an engine checkpoint when resuming. accelerate never sees the model: no DDP, no autocast.
+* ``training_step`` runs the forward through the engine (gathers), ``engine.backward`` (reductions) and
+  ``engine.step()``: at the accumulation boundary that is the whole optimizer step — global-norm clipping,
+  optimizer and scheduler, exactly once — as DeepSpeed's engine does inside accelerate's backward.
+* The loop's own ``optimizer.step()``, ``lr_scheduler.step()`` and ``model.zero_grad()`` then reach no-op
+  stand-ins (:mod:`zeropp.hf.adapters`); ``_clip_grad_norm``/``_get_grad_norm`` report the engine's norm, so
+  the Trainer's logs (loss, learning rate, grad_norm) stay as they are.
+* Saving: ``save_model`` gathers the fp32 masters on every rank and writes a normal Hugging Face directory
+  from rank 0; a Trainer checkpoint adds ``engine.save_checkpoint`` (sharded optimizer state, scheduler,
+  counters) where the Trainer would save ``optimizer.pt``/``scheduler.pt``; ``resume_from_checkpoint`` loads it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import transformers
+from torch import nn
+
+from zeropp.api import initialize
+from zeropp.checkpoint import CheckpointingEngine
+from zeropp.checkpoint.format import LATEST
+from zeropp.config import ConfigError, load_config, read_json
+from zeropp.config_auto import AutoValues
+from zeropp.hf.adapters import EngineModule, EngineOptimizer, EngineScheduler, PlainModule
+from zeropp.hf.export import save_companions, save_fp32_pretrained
+from zeropp.hf.values import auto_values, check_trainer_owned, trainer_config
+from zeropp.zero.engine import ZeroEngine
+
+ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any]]
+
+# Trainer methods overridden here that are not public API: they exist since transformers split
+# _inner_training_loop into smaller methods (5.x); an older Trainer is refused with a clear error.
+_TRAINER_METHODS = ("_prepare_for_training", "_clip_grad_norm", "_get_grad_norm", "_wrap_model",
+                    "_save_optimizer_and_scheduler", "_load_from_checkpoint", "set_initial_training_values")
+
+# Optimizers that are correct on flat 1-D shards: every element's update reads only that element's state.
+# A factored or matrix-shaped one (Adafactor, GaLore, Muon, LOMO...) would silently run another algorithm.
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                          torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop)
+_METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")  # stepped by the Trainer with eval metrics
+
+
+class ZeroppTrainerError(ValueError):
+    """A Trainer setting that cannot work with zeropp (the message names the argument)."""
+
+
+def unsupported_arguments(args: transformers.TrainingArguments) -> list[str]:
+    """One line per ``TrainingArguments`` setting that ZeroppTrainer cannot honour (empty: all fine)."""
+    problems = []
+    if args.deepspeed:
+        problems.append("deepspeed: ZeroppTrainer takes the place of DeepSpeed; pass the DeepSpeed-style config "
+                        "as ZeroppTrainer(zeropp_config=...) and leave TrainingArguments.deepspeed unset")
+    if args.fsdp:
+        problems.append("fsdp: FSDP and zeropp both shard the model; use one (zeropp's ZeRO-3 is the same "
+                        "partitioning)")
+    if args.torch_compile:
+        problems.append("torch_compile: a compiled model is not supported by zeropp yet (its stage-3 hooks "
+                        "gather weights per module in eager mode)")
+    if getattr(args, "parallelism_config", None) is not None:
+        problems.append("parallelism_config: zeropp partitions over data-parallel ranks only (no tensor, "
+                        "context or sequence parallelism)")
+    if args.auto_find_batch_size:
+        problems.append("auto_find_batch_size: not supported yet (the engine's batch size is fixed when it is "
+                        "built)")
+    if args.load_best_model_at_end:
+        problems.append("load_best_model_at_end: not supported yet with zeropp")
+    if args.push_to_hub:
+        problems.append("push_to_hub: not supported yet with zeropp (save with save_model and upload the "
+                        "directory)")
+    if args.save_on_each_node:
+        problems.append("save_on_each_node: not supported yet (zeropp checkpoints assume storage every rank "
+                        "can read)")
+    return problems
+
+
+def _read_config(source: ConfigSource) -> tuple[dict, Optional[str]]:
+    """The raw config dict and, for a file, its path (for error messages)."""
+    if isinstance(source, Mapping):
+        return dict(source), None
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        raw = read_json(path)
+        if not isinstance(raw, Mapping):
+            raise ConfigError("<config>: the file does not hold a JSON object", path)
+        return dict(raw), path
+    raise TypeError(f"ZeroppTrainer(zeropp_config=...): a JSON file path or a dict, got {type(source).__name__}")
+
+
+class ZeroppTrainer(transformers.Trainer):
+    """``transformers.Trainer`` training through zeropp: ZeRO stages 0-3 and ZeRO++ (qwZ, hpZ, qgZ).
+
+    Takes the Trainer's arguments plus ``zeropp_config`` (a JSON path or a dict in DeepSpeed's format, with
+    zeropp's ``topology`` extension). ``"auto"`` values are filled from the ``TrainingArguments`` as Hugging
+    Face's DeepSpeed integration fills them (:func:`zeropp.hf.auto_values`); batch sizes, accumulation,
+    clipping and precision always follow the arguments, and a config value contradicting them is an error.
+
+    Without an ``optimizer`` section the Trainer's optimizer (``args.optim``, ``learning_rate``,
+    ``weight_decay``...) is rebuilt over the fp32 master shards; without a ``scheduler`` section the
+    Trainer's ``lr_scheduler_type`` schedule drives it. Launch with ``torchrun``; ``save_model`` must be
+    called on every rank (the weights are gathered from all of them). ``trainer.engine`` is the
+    engine (:class:`~zeropp.checkpoint.CheckpointingEngine`, a ZeroEngine) once ``train()`` has started.
+    """
+
+    def __init__(self, model: Optional[nn.Module] = None, args: Optional[transformers.TrainingArguments] = None,
+                 *trainer_args: Any, zeropp_config: Optional[ConfigSource] = None, **trainer_kwargs: Any) -> None:
+        missing = [name for name in _TRAINER_METHODS if not hasattr(transformers.Trainer, name)]
+        if missing:
+            raise ImportError(f"ZeroppTrainer needs transformers >= 5 (the Trainer's loop split into "
+                              f"{', '.join(missing)}); found {transformers.__version__}: "
+                              "pip install -U 'zeropp[hf]'")
+        if zeropp_config is None:
+            raise TypeError("ZeroppTrainer: zeropp_config= (a DeepSpeed-style JSON path or dict) is required")
+        if args is not None:
+            self._refuse(unsupported_arguments(args))
+        self.zeropp_config = zeropp_config
+        self.engine: Optional[CheckpointingEngine] = None
+        self._engine_module: Optional[EngineModule] = None
+        self._engine_steps: Optional[int] = None
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        problems = unsupported_arguments(self.args) if args is None else []
+        if self.args.n_gpu > 1:
+            problems.append("n_gpu: several GPUs in one process (DataParallel); launch one process per device "
+                            "with torchrun")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            problems.append("accelerate's DeepSpeed/FSDP plugin (accelerate launch --use_deepspeed/--use_fsdp): "
+                            "zeropp takes their place; launch with torchrun")
+        if self.model_init is not None:
+            problems.append("model_init: not supported yet (the engine partitions one model)")
+        if hasattr(self.model, "peft_config"):
+            problems.append("model: a PEFT model is not supported yet by ZeroppTrainer")
+        self._refuse(problems)
+
+    @staticmethod
+    def _refuse(problems: list[str]) -> None:
+        if problems:
+            raise ZeroppTrainerError("ZeroppTrainer: TrainingArguments settings that cannot work with zeropp:\n  - "
+                                     + "\n  - ".join(problems))
+
+    # ---- building the engine -----------------------------------------------------------------------------
+    def _start_engine(self, max_steps: int) -> None:
+        """Resolve the config against the arguments, then ``zeropp.initialize`` (collective)."""
+        raw, origin = _read_config(self.zeropp_config)
+        values = auto_values(self.args, self.model, max_steps)
+        try:
+            raw = trainer_config(raw, values)
+            optimizer = self._client_optimizer(raw.get("optimizer") is not None)
+            scheduler = self._client_scheduler(raw.get("scheduler") is not None, max_steps)
+            known = AutoValues(given=values.given, hidden_size=values.hidden_size,
+                               client_optimizer=optimizer is not None, client_scheduler=scheduler is not None)
+            cfg = load_config(raw, known)
+            check_trainer_owned(cfg, values, self.args.world_size)
+        except ConfigError as err:
+            raise type(err)(err.problems, origin) from None  # name the file
+        saves = getattr(self.args.save_strategy, "value", self.args.save_strategy) != "no"
+        if cfg.zero_optimization.stage == 0 and saves and not self.args.save_only_model:
+            raise ZeroppTrainerError("ZeroppTrainer: Trainer checkpoints (save_strategy) need zero_optimization.stage "
+                                     ">= 1 (engine checkpoints of stage 0 are not supported yet); or set "
+                                     "save_only_model=True or save_strategy='no'")
+        engine, *_ = initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+        self.engine, self._engine_steps = engine, max_steps
+        self._engine_module = EngineModule(engine)
+        self.model_wrapped = self._engine_module
+        self.optimizer = EngineOptimizer(engine)
+        self.lr_scheduler = EngineScheduler(engine)
+
+    def _client_optimizer(self, config_has_one: bool) -> Optional[torch.optim.Optimizer]:
+        """The Trainer's optimizer, for ``initialize`` to rebuild over the masters; None: the config's."""
+        if config_has_one:
+            if self.optimizer is not None:
+                raise ZeroppTrainerError("ZeroppTrainer: an optimizer was given both as optimizers=(optimizer, ...) "
+                                         "and as the zeropp config's optimizer section; give one")
+            return None
+        optimizer = self.create_optimizer()  # args.optim, learning_rate, no decay on biases and norms
+        if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+            raise ZeroppTrainerError(
+                f"ZeroppTrainer: TrainingArguments.optim={self.args.optim!r} builds {type(optimizer).__name__}, "
+                "which zeropp cannot step on flat parameter shards; accepted: an element-wise torch optimizer "
+                f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}: e.g. optim='adamw_torch'), or an "
+                "optimizer section in the zeropp config")
+        return optimizer
+
+    def _client_scheduler(self, config_has_one: bool, max_steps: int) -> Union[Callable, Any, None]:
+        """The Trainer's scheduler (an object given in ``optimizers=``, or a builder over the rebuilt optimizer
+        from ``lr_scheduler_type``); None: the config's."""
+        if config_has_one:
+            if self.lr_scheduler is not None:
+                raise ZeroppTrainerError("ZeroppTrainer: a scheduler was given both as optimizers=(..., scheduler) "
+                                         "and as the zeropp config's scheduler section; give one")
+            return None
+        if self.lr_scheduler is not None:
+            return self.lr_scheduler  # initialize moves it onto the rebuilt optimizer
+        kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+        if kind in _METRIC_SCHEDULERS:
+            raise ZeroppTrainerError(f"ZeroppTrainer: TrainingArguments.lr_scheduler_type={kind!r} is stepped with "
+                                     "evaluation metrics, which the engine does not have; not supported yet")
+
+        def build(optimizer: torch.optim.Optimizer) -> Any:
+            self.lr_scheduler = None  # create_scheduler builds only when none is set
+            return self.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
+
+        return build
+
+    # ---- the training loop's seam --------------------------------------------------------------------------
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Optional[str]
+                              ) -> tuple[nn.Module, Any]:
+        """Build the engine (first ``train()``) and restore its checkpoint when resuming; the model the loop
+        calls is the engine's (:class:`~zeropp.hf.adapters.EngineModule`)."""
+        if self.engine is None:
+            self._start_engine(max_steps)
+        elif resume_from_checkpoint is None or max_steps != self._engine_steps:
+            # the Trainer would start over (step 0, a new schedule) while the engine's optimizer and schedule
+            # continue: only a resume of the same run, which restores both, is consistent
+            raise ZeroppTrainerError("ZeroppTrainer: train() again on the same trainer is not supported yet, except "
+                                     f"train(resume_from_checkpoint=...) of the same {self._engine_steps} steps; "
+                                     "build a new ZeroppTrainer")
+        if resume_from_checkpoint is not None:
+            self._resume_engine(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self._engine_module, train_dataloader
+
+    def _resume_engine(self, checkpoint: str) -> None:
+        """Weights, optimizer state, scheduler and counters from the checkpoint's engine tag; the Trainer
+        restored its own state (step, RNG, callbacks) from the same directory."""
+        path, _ = self.engine.load_checkpoint(checkpoint)
+        if path is None:
+            raise ZeroppTrainerError(f"ZeroppTrainer: {checkpoint} holds no complete zeropp engine checkpoint")
+        if self.engine.global_steps != self.state.global_step:
+            raise ZeroppTrainerError(f"ZeroppTrainer: the engine checkpoint {path} is at optimizer step "
+                                     f"{self.engine.global_steps} but the Trainer's state in {checkpoint} at "
+                                     f"step {self.state.global_step}")
+
+    def set_initial_training_values(self, args: transformers.TrainingArguments, dataloader: Any) -> tuple:
+        """The Trainer's values; refuses a run whose epoch ends inside an accumulation window (the Trainer
+        then steps after fewer micro-batches, and the engine counts whole windows)."""
+        values = super().set_initial_training_values(args, dataloader)
+        steps_in_epoch, max_steps, per_epoch = values[5], values[6], values[1]
+        gas = args.gradient_accumulation_steps
+        if steps_in_epoch % gas and max_steps >= per_epoch:
+            raise ZeroppTrainerError(
+                f"ZeroppTrainer: an epoch of {steps_in_epoch} batches per rank ends inside an accumulation window "
+                f"of gradient_accumulation_steps={gas}; not supported yet: make the batches per epoch a multiple "
+                "of it (dataset size, per_device_train_batch_size, dataloader_drop_last) or stop within the "
+                "first epoch (max_steps)")
+        return values
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
+        """Forward through the engine, ``engine.backward``, ``engine.step()``; returns the loss as the Trainer
+        reports it (this micro-batch's share of the accumulated loss)."""
+        engine = self._require_engine("training_step")
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        gas = engine.gradient_accumulation_steps()
+        if self._loss_is_scaled_for_ga(num_items_in_batch):
+            # already this micro-batch's share of the accumulated batch; the engine divides by gas once more
+            engine.backward(loss * gas)
+            reported = loss
+        else:
+            engine.backward(loss)  # the engine divides by gas, as the Trainer would
+            reported = loss / gas
+        self._engine_step(engine)
+        return reported.detach()
+
+    def _loss_is_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
+        """The Trainer's rule: a loss normalised by the window's token count is already scaled."""
+        flag = getattr(self, "loss_is_scaled_for_ga", None)
+        if flag is not None:
+            return bool(flag)
+        return bool((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                    or self.compute_loss_func is not None)
+
+    def _engine_step(self, engine: ZeroEngine) -> None:
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary != self.accelerator.sync_gradients:  # set_initial_training_values rules this out
+            raise RuntimeError(f"ZeroppTrainer: at micro-step {engine.micro_steps} the engine "
+                               f"(gradient_accumulation_steps={engine.gradient_accumulation_steps()}) "
+                               f"{'ends' if boundary else 'does not end'} an accumulation window and the Trainer "
+                               f"{'does not' if boundary else 'does'}")
+        if boundary:
+            self.lr_scheduler.record_step_lr()  # what the Trainer logs as this step's learning rate
+        engine.step()
+
+    def _clip_grad_norm(self, model: nn.Module) -> Optional[float]:
+        """The engine clipped at its step (``gradient_clipping`` = ``max_grad_norm``): report its norm."""
+        return self._require_engine("_clip_grad_norm").get_global_grad_norm()
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Optional[float]:
+        """The global gradient norm before clipping, from the engine's last optimizer step."""
+        return self._require_engine("_get_grad_norm").get_global_grad_norm()
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """The engine's model once it exists; before that (``evaluate()`` first) the plain model, kept away
+        from accelerate's wrapping."""
+        return self._engine_module if self._engine_module is not None else PlainModule(model)
+
+    def _require_engine(self, what: str) -> CheckpointingEngine:
+        if self.engine is None:
+            raise RuntimeError(f"ZeroppTrainer.{what}: the engine is built by train()")
+        return self.engine
+
+    # ---- saving and resuming -------------------------------------------------------------------------------
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (the fp32 master weights, tied weights once) that
+        ``from_pretrained`` loads in a plain process, plus the tokenizer and the arguments.
+
+        Collective once training started: call it on every rank (each contributes its shards); rank 0 writes.
+        """
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.engine is None:  # nothing partitioned yet: the Trainer's own save of the whole model
+            super().save_model(output_dir, _internal_call)
+            return
+        state = self.engine.consolidated_state_dict()
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            save_fp32_pretrained(self.model, state, output_dir)
+            save_companions(output_dir, self.args, self.processing_class)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """A Trainer checkpoint's optimizer part: the engine's sharded checkpoint (every rank writes its
+        shard: masters, optimizer state, scheduler, counters) under ``output_dir/global_step{N}``."""
+        self._require_engine("_save_optimizer_and_scheduler").save_checkpoint(output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
+        """Check that the checkpoint holds an engine checkpoint; ``_prepare_for_training`` loads it once the
+        engine exists (the weights come from it, not from ``model.safetensors``)."""
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, LATEST)):
+            raise ZeroppTrainerError(
+                f"ZeroppTrainer: {resume_from_checkpoint} holds no zeropp engine checkpoint ('{LATEST}' is "
+                "missing): resume_from_checkpoint needs a checkpoint saved by ZeroppTrainer without "
+                "save_only_model")

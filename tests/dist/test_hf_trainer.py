@@ -1,0 +1,182 @@
+"""transformers' Trainer trains through zeropp (``zeropp.hf.ZeroppTrainer``) on 2 nodes x 2 ranks: a tiny GPT-2
+from a config on the shipped corpus with ZeRO-3 + qwZ + hpZ + qgZ in bf16, every "auto" filled from the
+TrainingArguments. One world runs training, a mid-run checkpoint, save_model, a resume and the early errors
+(tests/support/hf_trainer_case.py); the saved directory is then loaded in this plain process. A second module
+fixture runs examples/hf_trainer.py under torchrun."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from support.hf_trainer_case import (  # noqa: E402
+    BLOCK, SAVE_AT, STEPS, CorpusWindows, reference_parity, run, tiny_gpt2,
+)
+from support.world import run_world  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_world(run, 4, str(tmp_path_factory.mktemp("hf_trainer")), ranks_per_node=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _batch() -> torch.Tensor:
+    from zeropp.demo.data import corpus_tokens
+    tokens = corpus_tokens()
+    return torch.stack([tokens[o: o + BLOCK] for o in (1000, 50_000, 150_000)])
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(_batch()).logits
+
+
+def test_the_loss_decreases_on_every_rank_alike(world: list[dict]) -> None:
+    losses = world[0]["losses"]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[STEPS] < losses[1] - 0.3, losses  # ~5.35 -> ~4.7 in six steps (two of warm-up at lr 0)
+    assert all(r["losses"] == losses for r in world)  # the Trainer logs the loss averaged over ranks
+
+
+def test_the_engine_ran_stage3_with_zeropp_and_the_trainers_schedule(world: list[dict]) -> None:
+    r = world[0]
+    assert r["stage"] == 3 and r["lr_scheduler"] == "WarmupDecayLR"
+    comm = r["comm"]
+    assert comm["backward_gather"]["inter_node_bytes"] == 0  # hpZ: backward gathers stay inside a node
+    assert comm["forward_gather"]["inter_node_bytes"] > 0 and comm["grad_reduce"]["inter_node_bytes"] > 0
+    steps = [h for h in r["log"] if "loss" in h]
+    # what the Trainer logs: the engine's global norm (before clipping at max_grad_norm=1) and the lr each step
+    # used: DeepSpeed's linear WarmupDecayLR over warmup_steps=2 of STEPS, from the "auto" values
+    assert all(h["grad_norm"] > 1.0 and math.isfinite(h["grad_norm"]) for h in steps)
+    lr = [h["learning_rate"] for h in steps]
+    assert lr[:4] == pytest.approx([0.0, 0.0, 1.5e-3, 3e-3]) and lr[4] < lr[3]
+
+
+def test_fp32_training_matches_the_plain_trainer(world: list[dict], tmp_path: Path) -> None:
+    """Same rows per step, the Trainer's own AdamW (weight-decay groups), linear schedule and clipping: the
+    loss, the pre-clipping gradient norm and the learning rate of each step agree with a single-process
+    ``transformers.Trainer`` (fp32 reduction order only: 1e-5 relative, as tests/dist/test_transformers.py).
+    Double scaling for accumulation would double the norm; a missed or double clip or schedule step would
+    move the losses and rates."""
+    # a loss normalised by the accumulated token count (GPT-2 takes num_items_in_batch), and a per-micro-batch
+    # mean (the Trainer divides it by the accumulation steps): the two ways the Trainer scales for accumulation
+    for case, batch_mean in (("parity", False), ("parity_batch_mean", True)):
+        got, want = world[0][case], reference_parity(str(tmp_path), batch_mean)
+        assert len(got) == len(want) == 4 and want[0][1] > 1.0  # above max_grad_norm: clipping is exercised
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert g[0] == pytest.approx(w[0], rel=1e-5), f"{case} step {step} loss"
+            assert g[1] == pytest.approx(w[1], rel=1e-5), f"{case} step {step} grad_norm"
+            assert g[2] == pytest.approx(w[2], rel=1e-12), f"{case} step {step} learning_rate"
+
+
+def test_save_model_loads_in_a_plain_process_as_the_fp32_masters(world: list[dict]) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    r = world[0]
+    final = Path(r["final"])
+    assert json.loads((final / "config.json").read_text())["dtype"] == "float32"
+    with safe_open(str(final / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert "lm_head.weight" not in keys and "transformer.wte.weight" in keys  # tied: stored once
+        assert f.get_tensor("transformer.wte.weight").dtype == torch.float32
+    loaded = AutoModelForCausalLM.from_pretrained(str(final))
+    assert loaded.dtype == torch.float32
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # tied again on load
+    fresh = GPT2LMHeadModel(GPT2Config.from_pretrained(str(final)))
+    fresh.load_state_dict(r["consolidated"])
+    # the file holds exactly engine.consolidated_state_dict() (fp32 masters): the same logits, bit for bit
+    assert torch.equal(_logits(loaded), _logits(fresh))
+    untrained = _logits(tiny_gpt2(seed=0))  # and training changed them
+    assert (_logits(loaded) - untrained).abs().max() > 1e-2
+
+
+def _plain_loss(model: torch.nn.Module) -> float:
+    rows = CorpusWindows(count=32).rows
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=rows, labels=rows).loss.item()
+
+
+def test_evaluate_runs_through_the_engine_and_before_it(world: list[dict]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    r = world[0]
+    # after training: the engine's bf16 forward (qwZ's int8 weights) against the saved fp32 masters in a plain
+    # process; bf16 keeps 8 significant bits, and 4 * 2**-8 bounds the rounding of a short run's loss
+    # (tests/dist/test_transformers.py), far below the ~0.6 the loss moved in training
+    saved = _plain_loss(AutoModelForCausalLM.from_pretrained(r["final"]))
+    assert r["eval_loss"] == pytest.approx(saved, rel=4 * 2**-8)
+    # before train() nothing is partitioned: the plain fp32 model, whole on every rank
+    assert r["eval_loss_before_train"] == pytest.approx(_plain_loss(tiny_gpt2(seed=1)), rel=1e-6)
+
+
+def test_a_trainer_checkpoint_resumes_the_run_exactly(world: list[dict]) -> None:
+    r = world[0]
+    ckpt = Path(r["checkpoint"])
+    assert (ckpt / "latest").read_text().strip() == f"global_step{SAVE_AT}"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "trainer_state.json").is_file()
+    assert not (ckpt / "optimizer.pt").exists()  # the optimizer state is the engine's sharded checkpoint
+    resumed = r["resumed_losses"]
+    # other initial weights, the same data order: steps after the checkpoint repeat the first run's
+    assert {s: resumed[s] for s in range(SAVE_AT + 1, STEPS + 1)} == \
+        {s: r["losses"][s] for s in range(SAVE_AT + 1, STEPS + 1)}
+
+
+def test_settings_that_contradict_the_trainer_fail_before_any_collective(world: list[dict]) -> None:
+    errors = world[0]["errors"]
+    assert errors["precision"].startswith("TrainerConfigMismatch") \
+        and "bf16.enabled: True in the config, but TrainingArguments bf16 gives False" in errors["precision"]
+    assert "gradient_accumulation_steps: 4 in the config" in errors["gas"], errors["gas"]
+    assert "no zeropp engine checkpoint" in errors["resume_without_engine_state"]
+    assert "train() again on the same trainer is not supported yet" in world[0]["train_again"]
+    assert all(r["errors"] == errors for r in world[1:])  # every rank refuses alike: nobody waits in a collective
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("hf_example")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    # a free port of our own: with `--master-port 0` the workers see MASTER_PORT=0 and the process-group start
+    # (accelerate's, and zeropp's under torchrun's agent store) can wait forever
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+           str(_free_port()), str(EXAMPLE), "--out", str(tmp / "run"), "--steps", "4", "--micro-batch", "2",
+           "--block-size", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp, env=env)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return {"dir": tmp / "run", "stdout": proc.stdout}
+
+
+def test_the_example_trains_and_saves_under_torchrun(example_run: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = json.loads((example_run["dir"] / "losses.json").read_text())
+    assert len(out["losses"]) == 4 and all(3.0 < v < 7.0 for v in out["losses"]), out["losses"]
+    assert "ZeRO-3 + qwZ + hpZ + qgZ on 2 nodes x 2 ranks" in example_run["stdout"]
+    model = AutoModelForCausalLM.from_pretrained(str(example_run["dir"] / "model"))
+    assert torch.isfinite(_logits(model)).all()

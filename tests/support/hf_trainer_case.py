@@ -1,0 +1,185 @@
+"""Worker functions for tests/dist/test_hf_trainer.py: ``ZeroppTrainer`` on every rank of a 2 nodes x 2 ranks
+world, a tiny GPT-2 built from a config (nothing downloaded) on the shipped Shakespeare corpus, with ZeRO-3 and
+all of ZeRO++ in bf16.
+
+``run`` trains STEPS optimizer steps (a checkpoint at SAVE_AT), evaluates, saves the model, resumes a second
+trainer (evaluated before it trains) from the checkpoint to STEPS again, runs an fp32 parity case against the
+plain Trainer (``reference_parity``, run by the test in its own process) and collects the early errors; it
+returns what the tests compare.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+
+from zeropp.demo.data import corpus_tokens
+
+STEPS, SAVE_AT, MICRO, GAS, BLOCK = 6, 3, 2, 2, 32
+LR = 3e-3
+# Hugging Face's own style: the Trainer fills every "auto" (batch, precision, optimizer, schedule, buckets)
+CONFIG: dict[str, Any] = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto",
+                                                      "warmup_type": "linear"}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto", "zero_quantized_weights": True,
+                          "zero_hpz_partition_size": 2, "zero_quantized_gradients": True},
+    "topology": {"ranks_per_node": 2},
+}
+
+
+class CorpusWindows(torch.utils.data.Dataset):
+    """Fixed windows of the byte-level corpus; labels are the inputs (GPT-2 shifts them itself)."""
+
+    def __init__(self, count: int = 256, block: int = BLOCK) -> None:
+        tokens = corpus_tokens()
+        stride = (len(tokens) - block) // count
+        self.rows = torch.stack([tokens[i * stride: i * stride + block] for i in range(count)])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def tiny_gpt2(seed: int) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)  # lm_head tied to the token embedding
+    # transformers 5.23 infers no loss type from the name "GPT2LMHeadModel", and the Trainer then counts every
+    # label of a row as a prediction (32, not 31): its losses come out 31/32 of the true token mean
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def training_args(out: str, **overrides: Any) -> Any:
+    from transformers import TrainingArguments
+    kw = dict(output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=GAS,
+              max_steps=STEPS, learning_rate=LR, warmup_steps=2, weight_decay=0.01, logging_steps=1,
+              save_strategy="steps", save_steps=SAVE_AT, bf16=True, use_cpu=True, report_to=[], seed=0,
+              disable_tqdm=True, dataloader_drop_last=True, per_device_eval_batch_size=4)
+    kw.update(overrides)
+    return TrainingArguments(**kw)
+
+
+def _losses(trainer: Any) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def run(rank: int, world: int, root: str) -> dict:
+    from zeropp.hf import ZeroppTrainer
+
+    out = os.path.join(root, "out")
+    data = CorpusWindows()
+    trainer = ZeroppTrainer(model=tiny_gpt2(seed=0), args=training_args(out), train_dataset=data,
+                            zeropp_config=copy.deepcopy(CONFIG))
+    trainer.train()
+    eval_rows = CorpusWindows(count=32)  # 8 batches of 4: two per rank (dataloader_drop_last applies to eval too)
+    evaluated = trainer.evaluate(eval_rows)["eval_loss"]  # forward through the engine (stage-3 gathers)
+    final = os.path.join(root, "final")
+    trainer.save_model(final)  # collective
+    consolidated = trainer.engine.consolidated_state_dict()  # collective too
+    result: dict[str, Any] = {
+        "losses": _losses(trainer),
+        "log": trainer.state.log_history,
+        "consolidated": consolidated if rank == 0 else None,
+        "final": final,
+        "checkpoint": os.path.join(out, f"checkpoint-{SAVE_AT}"),
+        "comm": trainer.engine.comm_report(),
+        "stage": trainer.engine.zero_optimization_stage(),
+        "lr_scheduler": type(trainer.engine.lr_scheduler).__name__,
+        "eval_loss": evaluated,
+        "train_again": _error(trainer.train),  # the engine's optimizer and schedule would not start over
+    }
+    # a second trainer, other initial weights, resumes from the mid-run checkpoint and trains to STEPS
+    resumed = ZeroppTrainer(model=tiny_gpt2(seed=1), args=training_args(os.path.join(root, "out2")),
+                            train_dataset=data, zeropp_config=copy.deepcopy(CONFIG))
+    result["eval_loss_before_train"] = resumed.evaluate(eval_rows)["eval_loss"]  # no engine yet: the plain model
+    resumed.train(resume_from_checkpoint=result["checkpoint"])
+    result["resumed_losses"] = _losses(resumed)
+    result["parity"] = _history(parity_trainer(os.path.join(root, "parity"), data, zeropp=True))
+    result["parity_batch_mean"] = _history(parity_trainer(os.path.join(root, "parity2"), data, zeropp=True,
+                                                          batch_mean_loss=True))
+    result["errors"] = errors(root, data)
+    return result
+
+
+# fp32 parity with a plain single-process Trainer: ZeRO-3 + hpZ (exact), the Trainer's own optimizer (AdamW with
+# its weight-decay groups) and linear schedule, clipping at 1.0, accumulation 2 x 4 ranks x 2 = 16 rows per step
+# against 16 rows in one process. Sequential sampling gives both the same rows per optimizer step.
+PARITY_STEPS, PARITY_ROWS = 4, MICRO * GAS * 4
+PARITY_CONFIG = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}, "topology": {"ranks_per_node": 2}}
+
+
+def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = False) -> Any:
+    """``batch_mean_loss``: the model is not handed the accumulated token count, so each micro-batch's loss is
+    its own mean and the Trainer's rule divides it by the accumulation steps (the engine does, here)."""
+    import transformers
+    from zeropp.hf import ZeroppTrainer
+
+    batch = dict(per_device_train_batch_size=MICRO, gradient_accumulation_steps=GAS) if zeropp else dict(
+        per_device_train_batch_size=PARITY_ROWS, gradient_accumulation_steps=1)
+    args = training_args(out, max_steps=PARITY_STEPS, bf16=False, warmup_steps=1, weight_decay=0.1,
+                         lr_scheduler_type="linear", save_strategy="no", train_sampling_strategy="sequential",
+                         **batch)
+    if zeropp:
+        trainer = ZeroppTrainer(model=tiny_gpt2(seed=2), args=args, train_dataset=data,
+                                zeropp_config=copy.deepcopy(PARITY_CONFIG))
+    else:
+        trainer = transformers.Trainer(model=tiny_gpt2(seed=2), args=args, train_dataset=data)
+    trainer.model_accepts_loss_kwargs = not batch_mean_loss
+    trainer.train()
+    return trainer
+
+
+def _history(trainer: Any) -> list[tuple[float, float, float]]:
+    """(loss, grad_norm, learning_rate) of each logged optimizer step."""
+    return [(h["loss"], float(h["grad_norm"]), h["learning_rate"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def reference_parity(root: str, batch_mean_loss: bool) -> list[tuple[float, float, float]]:
+    """The plain Trainer's run in this (non-distributed) process."""
+    return _history(parity_trainer(os.path.join(root, f"reference{int(batch_mean_loss)}"), CorpusWindows(),
+                                   zeropp=False, batch_mean_loss=batch_mean_loss))
+
+
+def errors(root: str, data: Any) -> dict[str, str]:
+    """Errors raised before any collective (the same on every rank, so none can hang the others)."""
+    from zeropp.hf import ZeroppTrainer
+
+    def start(cfg: dict, resume: Any = None, **overrides: Any) -> None:
+        args = training_args(os.path.join(root, "err"), save_strategy="no", **overrides)
+        trainer = ZeroppTrainer(model=tiny_gpt2(seed=0), args=args, train_dataset=data, zeropp_config=cfg)
+        trainer.train(resume_from_checkpoint=resume)
+
+    return {
+        # the Trainer says fp16, the config bf16
+        "precision": _error(lambda: start(copy.deepcopy(CONFIG) | {"bf16": {"enabled": True}}, bf16=False,
+                                          fp16=True)),
+        "gas": _error(lambda: start(copy.deepcopy(CONFIG) | {"gradient_accumulation_steps": 4})),
+        # a model directory is not a Trainer checkpoint: no engine state to resume from
+        "resume_without_engine_state": _error(lambda: start(copy.deepcopy(CONFIG),
+                                                            resume=os.path.join(root, "final"))),
+    }
