@@ -84,6 +84,26 @@ def test_full_disk_fails_the_save_on_every_rank_and_keeps_latest(root, point):
         assert got["listing"] == (["good", "latest", "next"] if what == "latest" else ["good", "latest"])
 
 
+def test_a_failed_rename_of_a_resave_fails_everywhere_and_keeps_the_old_tag(root):
+    """The new tag's rename fails after the old one went aside: every rank raises a CheckpointError (rank 0
+    its OSError, wrapped), the old tag is back under its name and nothing else is left (the load below
+    still reads it through `latest`)."""
+    for rank, res in enumerate(verified(root)):
+        got = res["enospc"]["rename"]
+        err = got["error"]
+        assert err is not None and err.startswith("CheckpointError: publishing the checkpoint failed on rank"), err
+        assert "no space left on device" in err.lower(), (rank, err)
+        assert ("OSError" in err) == (rank == 0), (rank, err)  # the rank that failed names the exception
+        assert got["listing"] == ["good", "latest"], got["listing"]
+
+
+def test_a_16bit_export_that_cannot_make_its_directory_fails_on_every_rank(root):
+    for rank, res in enumerate(verified(root)):
+        err = res["export_blocked"]["error"]
+        assert err is not None and err.startswith("CheckpointError: saving the 16-bit model failed on rank"), err
+        assert "not a directory" in err.lower(), (rank, err)
+
+
 def test_after_a_failed_save_latest_still_loads(root):
     for res in verified(root):
         got = res["enospc"]["load_after"]
@@ -142,6 +162,36 @@ def test_version_1_tag_loads_with_a_warning(root):
         got = res["fallback"]["version_1"]
         assert got["error"] is None and got["same_as_s2"] and got["explicit"] is None
         assert any("format version 1" in w and "no checksums" in w for w in got["warnings"])
+
+
+# ---- checkpoints that do not fit, and what a load stats --------------------------------------------------
+def _assert_misfits(results: list[dict]) -> None:
+    for rank, res in enumerate(results):
+        groups, buffer = res["misfits"]["groups"], res["misfits"]["buffer"]
+        assert groups["error"] and groups["error"].startswith("CheckpointError: "), (rank, groups["error"])
+        assert "optimizer parameter groups differ" in groups["error"] and "1 group(s) of [8]" in groups["error"], \
+            groups["error"]
+        assert "the engine's optimizer 2 of [2, 6]" in groups["error"] and groups["unchanged"], rank
+        assert buffer["error"] and buffer["error"].startswith("CheckpointError: "), (rank, buffer["error"])
+        assert "buffer counts in shard file" in buffer["error"] and "shape [5]" in buffer["error"], buffer["error"]
+        assert buffer["unchanged"], rank
+        assert res["misfits"]["groups_weights_only"]["error"] is None  # the grouping matters to the optimizer only
+
+
+def test_other_parameter_groups_or_buffer_shapes_fail_before_the_engine_changes(root):
+    """Checked inside the agreed read, on the same world size and when re-sharding: before, the parameter
+    groups failed in ``optimizer.load_state_dict`` after the masters were loaded, and a re-sharded load
+    copied buffers without checking their shapes."""
+    _assert_misfits(verified(root))
+    _assert_misfits(resharded(root))
+
+
+def test_a_load_stats_only_the_files_each_rank_needs(root):
+    """Rank 0 checks the listing and every size once; another rank stats only the file it opens, so a
+    world of W ranks makes O(W) stats, not W² (a round trip each on a shared file system)."""
+    stats = [res["stats"] for res in verified(root)]
+    assert set(stats[0]) == {shard_name(0), shard_name(1)}, stats
+    assert set(stats[1]) == {shard_name(1)} and len(stats[1]) <= 2, stats
 
 
 # ---- re-sharding -----------------------------------------------------------------------------------------

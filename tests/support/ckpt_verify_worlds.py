@@ -1,22 +1,28 @@
 """Worker functions for tests/dist/test_checkpoint_verify.py: each runs on every rank of one world.
 
 - ``verify_world`` (2 ranks): the resume idiom on nothing, saves ``s1`` and ``s2`` of one run, a full disk
-  at each write of a save, every corruption case through the engine with an explicit tag, the ``latest``
-  fall back, a version-1 tag, a few fuzz mutations, and a checkpoint saved mid-accumulation.
+  at each write of a save, a failed directory rename of a re-save, a 16-bit export that cannot create its
+  directory, every corruption case through the engine with an explicit tag, the ``latest`` fall back, a
+  version-1 tag, a few fuzz mutations, checkpoints that do not fit (other parameter groups, other buffer
+  shapes), which shard files each rank stats, and a checkpoint saved mid-accumulation.
 - ``reshard_world`` (3 ranks): the 2-rank checkpoints loaded on 3 ranks: verified re-sharding, the
-  mid-accumulation checkpoint that cannot be re-sharded, a damaged file that only some ranks read.
+  mid-accumulation checkpoint that cannot be re-sharded, a damaged file that only some ranks read, and
+  the checkpoints that do not fit.
 
 Results are plain data: errors as ``"Type: message"`` strings, warnings as their messages, and state
 comparisons done here (``same_as``) so that little crosses back.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import os
 import random
 import shutil
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -36,10 +42,25 @@ FAULTS = ("shard:1", "shard:0", "manifest:0", "latest:0")  # each write of a sav
 FUZZ_SEED = 1919
 
 
-def _engine(cfg: dict, seed: int) -> Any:
+class BufferNet(TiedNet):
+    """TiedNet with a buffer of ``n`` elements (a checkpoint saves it; a load must fit its shape)."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.register_buffer("counts", torch.arange(float(n)))
+
+
+def _engine(cfg: dict, seed: int, model: Optional[torch.nn.Module] = None, optimizer: Any = None) -> Any:
     torch.manual_seed(seed)
-    engine, *_ = zeropp.initialize(model=TiedNet(), config=copy.deepcopy(cfg))
+    engine, *_ = zeropp.initialize(model=model if model is not None else TiedNet(), config=copy.deepcopy(cfg),
+                                   optimizer=optimizer)
     return engine
+
+
+def two_groups(params: list) -> torch.optim.Optimizer:
+    """AdamW over the masters in the config's order, split in two groups: the same flat positions as the
+    one-group optimizer of ``CFG``, so only the grouping differs."""
+    return torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, weight_decay=0.01)
 
 
 def outcome(fn: Callable[[], Any]) -> dict:
@@ -117,6 +138,11 @@ def verify_world(rank: int, world: int, root: str) -> dict:
         engine.save_checkpoint(run, tag=tag, client_state={"tag": tag})
         states[tag] = engine.consolidated_state_dict()
     out["enospc"] = _full_disk(engine, rank, world, os.path.join(root, "full"), states["s2"])
+    _on_rank0(rank, lambda: open(os.path.join(root, "blocked"), "w").close())
+    out["export_blocked"] = outcome(lambda: engine.save_16bit_model(os.path.join(root, "blocked", "sub")))
+    _engine(CFG, seed=0, model=BufferNet(4)).save_checkpoint(os.path.join(root, "buf"), tag="b")
+    out["misfits"] = misfits(root)
+    out["stats"] = _shard_stats(_engine(CFG, seed=5), run)
     victim = _engine(CFG, seed=5)
     out["corruptions"] = _corruptions(victim, rank, root, run)
     out["fallback"] = _fallbacks(victim, rank, root, run, states)
@@ -143,11 +169,63 @@ def _full_disk(engine: Any, rank: int, world: int, save_dir: str, good_state: di
             res["latest"] = f.read()
         res["listing"] = sorted(os.listdir(save_dir))
         out[point] = res
+    _on_rank0(rank, lambda: shutil.rmtree(os.path.join(save_dir, "next")))  # complete: left by the `latest` fault
+    with _failing_rename(rank, ".good.tmp-"):  # re-saving `good`: the old one is aside when this fails
+        res = outcome(lambda: engine.save_checkpoint(save_dir, tag="good"))
+    dist.barrier()
+    res["listing"] = sorted(os.listdir(save_dir))
+    out["rename"] = res
     fresh = _engine(CFG, seed=9)
     loaded = outcome(lambda: fresh.load_checkpoint(save_dir))
     loaded["same_as_good"] = same_as(fresh.consolidated_state_dict(), good_state)
     out["load_after"] = loaded
     return out
+
+
+@contextlib.contextmanager
+def _failing_rename(rank: int, prefix: str) -> Iterator[None]:
+    """On rank 0 (the publisher), ``os.rename`` of a directory named ``prefix...`` fails as a full disk does."""
+    real = os.rename
+
+    def rename(src: str, dst: str) -> None:
+        if os.path.basename(src).startswith(prefix):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), src)
+        real(src, dst)
+
+    with mock.patch.object(os, "rename", rename) if rank == 0 else contextlib.nullcontext():
+        yield
+
+
+def misfits(root: str) -> dict:
+    """Intact checkpoints that do not fit the engine, loaded on this world (same size or re-sharded): the
+    run's ``s2`` into an optimizer with two parameter groups (one was saved), and ``buf`` (a 4-element
+    buffer) into a model whose buffer has 5 elements. Each must fail on every rank with the engine unchanged."""
+    batch = {**CFG, "train_batch_size": 2 * dist.get_world_size()}
+    grouped = _engine(batch, seed=3, optimizer=two_groups)
+    wider = _engine(batch, seed=3, model=BufferNet(5))
+    out = {"groups": _load_keeping_state(grouped, os.path.join(root, "run"), "s2"),
+           "buffer": _load_keeping_state(wider, os.path.join(root, "buf"), "b"),
+           "groups_weights_only": _load_keeping_state(grouped, os.path.join(root, "run"), "s2",
+                                                      load_optimizer_states=False)}
+    for res in out.values():
+        res.pop("state")
+    return out
+
+
+def _shard_stats(engine: Any, run: str) -> list[str]:
+    """The shard files this rank ``stat``s while loading tag ``s2`` (a shared file system pays for each)."""
+    seen: list[str] = []
+    real = os.stat
+
+    def counting_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        name = os.path.basename(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else ""
+        if name.startswith("shard_rank"):
+            seen.append(name)
+        return real(path, *args, **kwargs)
+
+    with mock.patch.object(os, "stat", counting_stat):
+        engine.load_checkpoint(run, tag="s2")
+    return seen
 
 
 def _copy(rank: int, src: str, dst: str, damage: Optional[Callable[[str], None]] = None) -> str:
@@ -160,9 +238,9 @@ def _copy(rank: int, src: str, dst: str, damage: Optional[Callable[[str], None]]
     return dst
 
 
-def _load_keeping_state(engine: Any, d: str, tag: Optional[str]) -> dict:
+def _load_keeping_state(engine: Any, d: str, tag: Optional[str], **kwargs: Any) -> dict:
     before = engine.consolidated_state_dict()
-    res = outcome(lambda: engine.load_checkpoint(d, tag=tag))
+    res = outcome(lambda: engine.load_checkpoint(d, tag=tag, **kwargs))
     after = engine.consolidated_state_dict()
     res["unchanged"] = same_as(after, before)
     res["state"] = after
@@ -232,4 +310,5 @@ def reshard_world(rank: int, world: int, root: str) -> dict:
     fell = _load_keeping_state(engine, d, None)
     fell["same_as_s1"] = same_as(fell.pop("state"), load_full_checkpoint(run, tag="s1").state_dict)
     out["fallback"] = fell
+    out["misfits"] = misfits(root)
     return out

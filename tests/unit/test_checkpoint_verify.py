@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import warnings
+import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -21,10 +22,12 @@ from zeropp import cli
 from zeropp.checkpoint import (
     CheckpointError, CheckpointWarning, IntegrityError, load_full_checkpoint, verify_checkpoint, verify_report,
 )
-from zeropp.checkpoint import collective
+from zeropp.checkpoint import collective, engine_io, resolve
 from zeropp.checkpoint.format import (
-    FAULT_ENV, LATEST, MANIFEST, Written, atomic_write, atomic_write_text, shard_name,
+    FAULT_ENV, LATEST, MANIFEST, Written, atomic_write, atomic_write_text, check_tag, shard_name,
 )
+from zeropp.checkpoint.manifest import read_manifest
+from zeropp.checkpoint.resolve import Candidate
 
 
 @pytest.fixture
@@ -354,3 +357,100 @@ def test_shard_digest_travels_in_the_row_exactly():
     written = Written(123, hashlib.sha256(b"z").hexdigest())
     assert collective.written_of(collective.written_row(written)) == written
     assert json.dumps(collective.written_row(written))  # plain ints, any sign
+
+
+def test_a_failing_rank_raises_a_checkpoint_error_whatever_it_caught():
+    """The rank that failed raised its own exception unchanged (a KeyError, an OSError); now every rank
+    raises a CheckpointError, the failing one chained from what it caught."""
+    ok = collective._row(None)
+    cause = KeyError("counters")
+    with pytest.raises(CheckpointError, match="loading failed on rank 0: KeyError: 'counters'") as info:
+        collective.agree(_engine(0, ok), cause, "loading")
+    assert info.value.__cause__ is cause and not isinstance(info.value, IntegrityError)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with pytest.raises(CheckpointError, match="publishing failed on rank 1: OSError: .*No space left") as info:
+        collective.agree(_engine(1, ok), full, "publishing")
+    assert info.value.errno == errno.ENOSPC
+    damaged = IntegrityError("z", file=shard_name(0), problem="truncated")
+    with pytest.raises(IntegrityError) as info:  # checkpoint errors keep their class, file and problem
+        collective.agree(_engine(0, ok), damaged, "loading")
+    assert info.value is damaged
+
+
+def test_a_bad_tag_name_is_a_checkpoint_error(ckpt):
+    for bad in ("", ".hidden", "a/b", "../new"):
+        with pytest.raises(CheckpointError, match="must be a plain, non-hidden directory name"):
+            check_tag(bad)
+    with pytest.raises(CheckpointError, match="'../new' must be a plain"):
+        load_full_checkpoint(ckpt, tag="../new")
+    assert any("must be a plain" in p for p in verify_checkpoint(ckpt, ".new"))
+
+
+def test_agreement_on_a_candidate_never_lets_one_rank_skip_alone():
+    """Rank 0 saw damage, rank 1 a problem a fall back must not hide: rank 0 must raise too (a plain
+    CheckpointError), not go on alone to the next tag and wait there for rank 1."""
+    cand = Candidate("new", "/ckpt/new")
+    crc = zlib.crc32(b"new")
+    misfit = collective._row(CheckpointError("model does not match")) + [crc]
+    settle = collective._settle_on_every_rank(_engine(0, misfit), "loading")
+    got = settle(IntegrityError("torn", file=shard_name(0), problem="truncated"), cand)
+    assert isinstance(got, CheckpointError) and not isinstance(got, IntegrityError) and "torn" in str(got)
+    with pytest.raises(CheckpointError, match="torn"):
+        resolve.read_first_good(resolve.Candidates("/ckpt", latest=cand), lambda d: 1 / 0, lambda e, c: got)
+    elsewhere = collective._row(None) + [zlib.crc32(b"old")]  # the ranks' fall back orders differ
+    with pytest.raises(CheckpointError, match="the ranks tried different tags"):
+        collective._settle_on_every_rank(_engine(0, elsewhere), "loading")(None, cand)
+
+
+# ---- work a load does not need ---------------------------------------------------------------------------
+def test_other_tags_are_sorted_only_when_falling_back(ckpt, monkeypatch):
+    make_checkpoint(ckpt, "third", seed=3, latest=False, created=3000.0)
+    make_checkpoint(ckpt, "new", seed=2, created=2000.0)  # `latest` back on `new`
+    parsed: list[str] = []
+    real = resolve._created
+    monkeypatch.setattr(resolve, "_created", lambda d: parsed.append(os.path.basename(d)) or real(d))
+    assert _same(load_full_checkpoint(ckpt).state_dict, full_state(2))
+    assert parsed == []  # `latest` was fine: no other manifest read to sort the others
+    _flip(_shard(ckpt, "new", 1), 300)
+    with pytest.warns(CheckpointWarning, match="fell back to tag 'third'"):  # newest save first
+        assert _same(load_full_checkpoint(ckpt).state_dict, full_state(3))
+    assert sorted(parsed) == ["old", "third"]
+
+
+def test_manifest_entries_are_parsed_once(ckpt):
+    m = read_manifest(os.path.join(ckpt, "new"))
+    assert m.params is m.params and m.shards is m.shards
+    assert [s.file for s in m.shards] == [shard_name(0), shard_name(1)]
+    assert m.shard_path(1) == os.path.join(ckpt, "new", shard_name(1))
+
+
+def test_leftover_notes_say_which_ones_a_load_reads(ckpt):
+    os.makedirs(os.path.join(ckpt, ".new.old-00ab"))
+    os.makedirs(os.path.join(ckpt, ".new.tmp-00cd"))
+    notes = verify_report(ckpt).notes
+    assert any(".new.tmp-00cd" in n and "ignored by loads" in n for n in notes), notes
+    assert any(".new.old-00ab" in n and "a load of tag 'new' reads it while" in n for n in notes), notes
+    assert not any(".old-" in n and "ignored by loads" in n for n in notes), notes
+
+
+# ---- publishing: a failed directory rename --------------------------------------------------------------
+def test_a_failed_rename_of_a_resave_puts_the_old_tag_back(tmp_path, monkeypatch):
+    """The second rename of a re-save fails after the old tag went aside: the old tag is renamed back
+    (``tag=None`` loads never list an aside copy) and the temporary directory is removed."""
+    save_dir = str(tmp_path)
+    make_checkpoint(save_dir, "t", seed=1)
+    tmp_dir = os.path.join(save_dir, ".t.tmp-00ff")
+    make_checkpoint(tmp_dir, "x", seed=2, latest=False)  # some content for the new tag
+    monkeypatch.setattr(engine_io, "_manifest", lambda *args: {"tag": "t"})
+    real = os.rename
+
+    def rename(src, dst):
+        if src == tmp_dir:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), src)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="Input/output error"):
+        engine_io._publish(None, "t", [], [], tmp_dir, os.path.join(save_dir, "t"), "00ff", True)
+    assert sorted(os.listdir(save_dir)) == ["latest", "t"]  # no aside copy, no temporary directory
+    assert _same(load_full_checkpoint(save_dir).state_dict, full_state(1))

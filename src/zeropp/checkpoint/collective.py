@@ -5,9 +5,10 @@ one rank raising while the others enter the next collective would hang them. So 
 fail (writing the shards, publishing, reading a tag) every rank contributes one row of integers —
 failed?, an :class:`IntegrityError`?, the problem, the file, the errno — to an all-reduce over the world
 (each rank fills only its own row of a zero table, so the sum is an all-gather). A rank that failed raises
-its own error; every other rank raises one built from the first failing rank's row, so it too names the
-file and the problem ("rank 1: .../shard_rank00001.pt: no space left on device"). The same row carries
-extra integers where a step has more to share: a shard's size and SHA-256 after writing it.
+its own error — as a :class:`CheckpointError` whatever it was (an ``OSError``, a ``KeyError``), chained from
+it — and every other rank raises one built from the first failing rank's row, so it too names the file and
+the problem ("rank 1: .../shard_rank00001.pt: no space left on device"). The same row carries extra
+integers where a step has more to share: a shard's size and SHA-256 after writing it.
 
 :func:`agreed_load` runs the candidates of ``resolve.py`` through this agreement, so every rank falls back
 past the same tag, even when only one of them read the damaged file.
@@ -24,10 +25,10 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 
 from zeropp.checkpoint.format import (
-    LATEST, MANIFEST, CheckpointError, CheckpointWarning, IntegrityError, Written, describe_errno,
-    resolve_tag_dir, shard_name, shard_rank_of,
+    LATEST, MANIFEST, CheckpointError, CheckpointWarning, IntegrityError, Written, describe_errno, shard_name,
+    shard_rank_of,
 )
-from zeropp.checkpoint.resolve import candidates, fallback_warning, no_checkpoint_reason
+from zeropp.checkpoint.resolve import Candidate, Settle, candidates, no_checkpoint_reason, read_first_good, read_tag
 from zeropp.comm.ledger import Phase
 
 T = TypeVar("T")
@@ -87,6 +88,17 @@ class Failure:
     error: BaseException
 
 
+def _as_checkpoint_error(error: BaseException, what: str, rank: int) -> CheckpointError:
+    """``error`` as the :class:`CheckpointError` a failing rank raises (the others raise one anyway), chained."""
+    if isinstance(error, CheckpointError):  # IntegrityError too: it keeps its class, file and problem
+        return error
+    code = getattr(error, "errno", 0)
+    wrapped = CheckpointError(f"{what} failed on rank {rank}: {type(error).__name__}: {error}",
+                              errno=code if isinstance(code, int) else 0)
+    wrapped.__cause__ = error
+    return wrapped
+
+
 def settle(engine: Any, error: Optional[BaseException], what: str, locate: Callable[[str], str],
            extra: Sequence[int] = ()) -> tuple[Optional[Failure], list[list[int]]]:
     """Share this rank's outcome (and ``extra``); the agreed :class:`Failure`, or None, and every rank's extra."""
@@ -96,7 +108,9 @@ def settle(engine: Any, error: Optional[BaseException], what: str, locate: Calla
     if not bad:
         return None, extras
     integrity = all(rows[r][1] for r in bad)
-    if error is None:
+    if error is not None:
+        error = _as_checkpoint_error(error, what, engine.topo.rank)
+    else:
         first = rows[bad[0]]
         name = _file_name(first[3])
         problem = describe_errno(first[4]) if first[4] else PROBLEMS[first[2]]
@@ -129,43 +143,46 @@ def written_of(row: Sequence[int]) -> Written:
 
 
 # ---- the load every rank agrees on -----------------------------------------------------------------------
+def _settle_on_every_rank(engine: Any, what: str, falls_back: bool = True) -> Settle:
+    """``resolve``'s :data:`Settle` through the agreement: every rank acts on the same outcome of the same tag
+    (``falls_back``: a ``tag=None`` load, where an :class:`IntegrityError` means "skip this tag")."""
+
+    def settle_candidate(error: Optional[BaseException], cand: Candidate) -> Optional[BaseException]:
+        failure, extras = settle(engine, error, what, lambda name: os.path.join(cand.tag_dir, name),
+                                 [zlib.crc32(cand.tag.encode())])
+        if any(e != extras[0] for e in extras):  # the fall back's order comes from each rank's own reads
+            raise CheckpointError(f"{what}: the ranks tried different tags at once in {os.path.dirname(cand.tag_dir)}: "
+                                  "it must be one file system that every rank sees")
+        if failure is None:
+            return None
+        if falls_back and isinstance(failure.error, IntegrityError) and not failure.integrity:
+            # this rank saw damage, another a problem no fall back may hide: raise here too, never skip alone
+            plain = CheckpointError(str(failure.error), file=failure.error.file, problem=failure.error.problem,
+                                    errno=failure.error.errno)
+            plain.__cause__ = failure.error
+            return plain
+        return failure.error
+
+    return settle_candidate
+
+
 def agreed_load(engine: Any, load_dir: str, tag: Optional[str], read: Callable[[str], T],
                 what: str = "loading the checkpoint") -> Optional[tuple[str, T]]:
     """``(tag_dir, read(tag_dir))`` on every rank, for tag ``tag`` or the first ``tag=None`` candidate that
     every rank reads without an :class:`IntegrityError` (``resolve.py``); None, with a warning, when
     ``load_dir`` is missing or holds no complete tag (DeepSpeed's resume idiom). Raises on every rank."""
     if tag is not None:
-        tag_dir, result, error = os.path.join(load_dir, str(tag)), None, None
-        try:
-            tag_dir = resolve_tag_dir(load_dir, tag)[1]
-            result = read(tag_dir)
-        except Exception as err:  # noqa: BLE001 - raised on every rank by agree
-            error = err
-        agree(engine, error, what, lambda name: os.path.join(tag_dir, name))
-        return tag_dir, result  # type: ignore[return-value]
+        cand, result = read_tag(load_dir, tag, read, _settle_on_every_rank(engine, what, falls_back=False))
+        return cand.tag_dir, result
     found = candidates(load_dir)
     view = found.fingerprint().encode()
-    seen = exchange(engine, [len(found.tags), zlib.crc32(view)])
+    seen = exchange(engine, [len(found), zlib.crc32(view)])
     if any(row != seen[0] for row in seen):
         raise CheckpointError(f"{what}: the ranks see different tags in {load_dir} ({[r[0] for r in seen]} tags): "
                               "it must be one file system that every rank sees")
-    if not found.tags:
+    if not found:
         warnings.warn(f"zeropp: no checkpoint to resume from: {no_checkpoint_reason(found)}; load_checkpoint "
                       "returns (None, None)", CheckpointWarning, stacklevel=3)
         return None
-    skipped = list(found.notes)
-    for cand in found.tags:
-        result, error = None, None
-        try:
-            result = read(cand.tag_dir)
-        except Exception as err:  # noqa: BLE001 - settled on every rank below
-            error = err
-        failure, _ = settle(engine, error, what, lambda name, d=cand.tag_dir: os.path.join(d, name))
-        if failure is None:
-            if skipped:
-                warnings.warn(fallback_warning(load_dir, cand, skipped), CheckpointWarning, stacklevel=3)
-            return cand.tag_dir, result  # type: ignore[return-value]
-        if not failure.integrity:
-            raise failure.error
-        skipped.append(f"skipped '{cand.tag}': {failure.error}")
-    raise IntegrityError(f"no loadable checkpoint in {load_dir}: " + "; ".join(skipped))
+    cand, result = read_first_good(found, read, _settle_on_every_rank(engine, what))
+    return cand.tag_dir, result

@@ -38,10 +38,12 @@ import torch
 
 from zeropp._version import __version__
 from zeropp.checkpoint.collective import agree, agreed_load, shared_nonce, written_of, written_row
-from zeropp.checkpoint.fit import check_model, check_reshardable, check_shard_fits
+from zeropp.checkpoint.fit import (
+    check_buffers, check_model, check_param_groups, check_reshardable, check_shard_fits,
+)
 from zeropp.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, Written, atomic_write, atomic_write_text, check_tag,
-    crash_point, fsync_dir, shard_name, write_error,
+    crash_point, fsync_dir, rename_into_place, shard_name, write_error,
 )
 from zeropp.checkpoint.manifest import Manifest, read_manifest, seal
 from zeropp.checkpoint.reshard import read_ranges
@@ -215,13 +217,12 @@ def _publish(engine: ZeroEngine, tag: str, params: list[_Param], shards: list[Wr
         manifest = seal(_manifest(engine, tag, params, shards, nonce))
         atomic_write_text(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=1), point="manifest")
         fsync_dir(tmp_dir)
+        crash_point("before_publish", 0)
+        # re-saving a tag moves the old one aside, and back should the new one not come in
+        rename_into_place(tmp_dir, final, os.path.join(save_dir, f".{tag}.old-{nonce}"))
     except BaseException:  # nothing is published yet: leave no torn directory behind
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    crash_point("before_publish", 0)
-    if os.path.exists(final):  # re-saving a tag: move the old one aside, never delete before replacing
-        os.rename(final, os.path.join(save_dir, f".{tag}.old-{nonce}"))
-    os.rename(tmp_dir, final)
     fsync_dir(save_dir)
     crash_point("before_latest", 0)
     if save_latest:  # a failure here leaves `latest` on the previous tag, the new one complete beside it
@@ -247,11 +248,9 @@ class _Loaded:
     loss_scaler: Optional[dict] = None  # fp16 only
 
 
-def _read_same_world(manifest: Manifest, rank: int, params: list[_Param], buffers: dict[str, torch.Tensor]
-                     ) -> _Loaded:
-    path = manifest.shard_path(rank)
+def _read_same_world(manifest: Manifest, rank: int, params: list[_Param]) -> _Loaded:
     shard = open_shard(manifest, rank)
-    check_shard_fits(shard, path, rank, params, buffers)
+    check_shard_fits(shard, manifest.shard_path(rank), rank, params)
     return _Loaded(shard["params"], shard.get("grads"), shard["optimizer"], shard.get("scheduler"),
                    shard["counters"], shard.get("rng"), shard.get("buffers", {}), shard.get("client_state"),
                    shard.get("loss_scaler"))
@@ -328,12 +327,19 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
     with_optimizer = what.optimizer and not what.module_only
 
     def read(tag_dir: str) -> _Loaded:
+        """Everything ``_apply`` will write, read and checked; runs inside the agreement (``agreed_load``)."""
         manifest = read_manifest(tag_dir)
-        check_files(manifest)
+        if rank == 0:  # the listing and every file's size, once; each rank checks what it opens itself
+            check_files(manifest)
         check_model(manifest, params, type(engine.optimizer).__name__ if with_optimizer else None)
         if manifest.world_size == engine.topo.world_size:
-            return _read_same_world(manifest, rank, params, _buffers(engine))
-        return _read_resharded(manifest, params, rank, with_optimizer)
+            loaded, source = _read_same_world(manifest, rank, params), manifest.shard_path(rank)
+        else:  # buffers, param groups and scalars come from rank 0's file
+            loaded, source = _read_resharded(manifest, params, rank, with_optimizer), manifest.shard_path(0)
+        check_buffers(loaded.buffers, source, _buffers(engine))
+        if with_optimizer:
+            check_param_groups(loaded.optimizer["param_groups"], engine.optimizer.param_groups, source)
+        return loaded
 
     got = agreed_load(engine, load_dir, tag, read)
     if got is None:

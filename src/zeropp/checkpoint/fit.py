@@ -1,12 +1,15 @@
-"""Does an intact checkpoint fit this engine? The model's parameters, the optimizer, what a shard holds,
-and whether a different world size can re-shard it.
+"""Does an intact checkpoint fit this engine? The model's parameters, the optimizer (class, positions and
+parameter groups), what a shard holds (tensor sizes, buffer shapes), and whether a different world size can
+re-shard it. All of it runs inside the agreed read, before anything of the engine is changed.
 
-These run after verification (``verify.py``), so a failure here is not damage: it raises a plain
-:class:`CheckpointError` (never an :class:`IntegrityError`), and loading ``latest`` does not fall back past it
-to an older tag, which would not fit either.
+These run after verification (``verify.py``), so a mismatch here is not damage: it raises a plain
+:class:`CheckpointError`, and loading ``latest`` does not fall back past it to an older tag, which would not
+fit either. Only a shard that lacks what every shard holds (a tensor of a recorded parameter, the buffers,
+the parameter groups: possible in an unsealed version-1 tag) is an :class:`IntegrityError`.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -69,10 +72,9 @@ def check_reshardable(manifest: Manifest, with_optimizer: bool) -> None:
                               f"({manifest.world_size} ranks), so it cannot be re-sharded")
 
 
-def check_shard_fits(shard: dict, path: str, rank: int, params: Sequence[ModelParam],
-                     buffers: dict[str, torch.Tensor]) -> None:
-    """Every tensor a same-world load copies into the engine has the engine's size, checked before any is
-    copied (a version-1 manifest is not sealed, so its shards are only as good as their sizes)."""
+def check_shard_fits(shard: dict, path: str, rank: int, params: Sequence[ModelParam]) -> None:
+    """Every parameter tensor a same-world load copies into the engine has the engine's size, checked before
+    any is copied (a version-1 manifest is not sealed, so its shards are only as good as their sizes)."""
     parts = ("params", "grads") if shard.get("grads") is not None else ("params",)
     for p in params:
         for part in parts:
@@ -80,7 +82,32 @@ def check_shard_fits(shard: dict, path: str, rank: int, params: Sequence[ModelPa
             if not isinstance(got, torch.Tensor) or got.numel() != p.master.numel():
                 raise IntegrityError(f"shard file {path} has no {p.master.numel()}-element '{part}' entry for "
                                      f"parameter {p.name}", file=shard_name(rank), problem="unreadable")
-    for key, value in (shard.get("buffers") or {}).items():
+
+
+def check_buffers(saved: object, path: str, buffers: dict[str, torch.Tensor]) -> None:
+    """The saved buffers (same world: this rank's file; re-sharded: rank 0's) that the model has are tensors of
+    the model's shape, so that copying them in after the agreement cannot fail."""
+    if not isinstance(saved, dict):
+        raise IntegrityError(f"shard file {path} has no 'buffers' dictionary", file=os.path.basename(path),
+                             problem="unreadable")
+    for key, value in saved.items():
         if key in buffers and (not isinstance(value, torch.Tensor) or value.shape != buffers[key].shape):
             raise CheckpointError(f"buffer {key} in shard file {path} does not have the model's shape "
                                   f"{list(buffers[key].shape)}")
+
+
+def check_param_groups(saved: object, groups: Sequence[dict], path: str) -> None:
+    """The optimizer's parameter groups in the shard at ``path`` match the engine's optimizer ``groups`` in
+    number and in the parameters each holds.
+
+    ``check_model`` compares the flat optimizer positions only; ``Optimizer.load_state_dict`` also needs the
+    same grouping, and would raise a ValueError only after the agreement, with the masters already loaded.
+    """
+    if not isinstance(saved, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                              for g in saved):
+        raise IntegrityError(f"shard file {path} has no list of optimizer parameter groups",
+                             file=os.path.basename(path), problem="unreadable")
+    got, want = [len(g["params"]) for g in saved], [len(g["params"]) for g in groups]
+    if got != want:
+        raise CheckpointError(f"optimizer parameter groups differ: checkpoint shard {path} holds {len(got)} "
+                              f"group(s) of {got} parameter(s), the engine's optimizer {len(want)} of {want}")

@@ -1,6 +1,7 @@
-"""The on-disk checkpoint format: directory layout, the manifest, tag resolution and atomic file writes.
+"""The on-disk checkpoint format: directory layout, tag names and directories, atomic file writes, errors.
 
-Pure file I/O: nothing here touches ``torch.distributed``, so consolidation can run on a laptop.
+Pure file I/O: nothing here touches ``torch.distributed``, so consolidation can run on a laptop. The manifest's
+schema and checksum are in ``manifest.py``; which tag a ``tag=None`` load reads is in ``resolve.py``.
 
 A checkpoint directory ``save_dir`` holds one directory per tag and a ``latest`` file naming the newest::
 
@@ -23,7 +24,8 @@ crash at any point before the directory rename leaves only a hidden temporary di
 rename, a complete new tag that ``latest`` does not name yet. Either way the previous tag is untouched and
 ``latest`` still names it. Re-saving an existing tag first renames the old directory aside to
 ``save_dir/.<tag>.old-<nonce>`` and deletes it after the new one is in place; should a crash fall between
-those two renames, loading that tag finds the aside copy (see :func:`resolve_tag_dir`). A later successful
+those two renames, loading that tag finds the aside copy (see :func:`resolve_tag_dir`), and should the second
+rename fail, the aside copy is renamed back (:func:`rename_into_place`). A later successful
 save of a tag deletes that tag's leftovers (aside copies, torn temporary directories). A write that fails
 (``ENOSPC`` or any ``OSError``) removes its temporary file and raises :class:`CheckpointError` naming the
 file; the save then fails on every rank and rank 0 removes the temporary directory, so the previous tag and
@@ -92,9 +94,14 @@ def shard_rank_of(name: str) -> Optional[int]:
 
 
 def check_tag(tag: str) -> str:
+    """``tag`` as a string, if it can name a tag directory; else :class:`CheckpointError`.
+
+    A CheckpointError, not a ValueError: a bad tag is a checkpoint problem, so every rank's agreement and
+    every caller that handles checkpoint errors (``zeropp consolidate``, the job runner) treats it as one.
+    """
     tag = str(tag)
     if not tag or tag.startswith(".") or "/" in tag or os.sep in tag:
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain, non-hidden directory name")
+        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain, non-hidden directory name")
     return tag
 
 
@@ -173,6 +180,27 @@ def atomic_replace(path: str, produce: Callable[[str], None]) -> int:
         raise
 
 
+def rename_into_place(tmp_dir: str, final: str, aside: str) -> None:
+    """Rename directory ``tmp_dir`` to ``final``; an existing ``final`` is first renamed to ``aside`` (never
+    deleted before it is replaced: Note [checkpoint atomicity]).
+
+    Should the second rename fail, the old directory is renamed back to ``final`` before the error goes on,
+    so the tag stays where ``latest`` and the ``tag=None`` fall back look for it (they never list ``aside``).
+    """
+    moved = os.path.exists(final)
+    if moved:
+        os.rename(final, aside)
+    try:
+        os.rename(tmp_dir, final)
+    except BaseException:
+        if moved:
+            try:
+                os.rename(aside, final)
+            except OSError:  # the original error says more; a load of the tag still finds `aside`
+                pass
+        raise
+
+
 def _remove_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -195,9 +223,9 @@ def atomic_write(path: str, write: Callable[[BinaryIO], None], point: Optional[s
         with open(tmp, "wb") as raw:
             f: Any = _HashingWriter(raw)
             hashing[:] = [f]
-            if point and _crash_armed(f"{point}_write", rank):
+            if point and _armed(CRASH_ENV, f"{point}_write", rank):
                 f = _KillMidWrite(f)
-            if point and _fault_armed(point, rank):
+            if point and _armed(FAULT_ENV, point, rank):
                 f = _FailMidWrite(f)
             write(f)
 
@@ -231,19 +259,14 @@ class _HashingWriter:
 
 
 # ---- test-only crash points ------------------------------------------------------------------------------
-def _crash_armed(point: str, rank: int) -> bool:
-    want = os.environ.get(CRASH_ENV, "")
-    return bool(want) and want == f"{point}:{rank}"
-
-
-def _fault_armed(point: str, rank: int) -> bool:
-    want = os.environ.get(FAULT_ENV, "")
-    return bool(want) and want == f"{point}:{rank}"
+def _armed(env: str, point: str, rank: int) -> bool:
+    """Whether the test hook in environment variable ``env`` (``CRASH_ENV``, ``FAULT_ENV``) names this point."""
+    return os.environ.get(env, "") == f"{point}:{rank}"
 
 
 def crash_point(point: str, rank: int) -> None:
     """Test hook: SIGKILL this process here when ``ZEROPP_CKPT_TEST_CRASH`` is ``<point>:<rank>``."""
-    if _crash_armed(point, rank):
+    if _armed(CRASH_ENV, point, rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -292,7 +315,7 @@ def read_latest(load_dir: str) -> tuple[Optional[str], Optional[str]]:
         with open(path, "rb") as f:
             text = f.read(4096).decode("utf-8").strip()
         return check_tag(text), None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+    except (OSError, UnicodeDecodeError, CheckpointError) as err:
         return None, f"'{LATEST}' file {path} does not name a tag: {err}"
 
 

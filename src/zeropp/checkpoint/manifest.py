@@ -21,6 +21,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NoReturn, Optional
 
 from zeropp.checkpoint.format import (
@@ -59,7 +60,11 @@ class ShardRecord:
 
 @dataclass(frozen=True)
 class Manifest:
-    """The parsed, validated ``manifest.json`` of one tag."""
+    """The parsed, validated ``manifest.json`` of one tag.
+
+    ``params`` and ``shards`` are parsed from ``raw`` once, on first use (readers index them per rank and per
+    parameter, so rebuilding them on every access would cost O(world) each time); treat ``raw`` as read-only.
+    """
 
     path: str
     raw: dict
@@ -81,21 +86,21 @@ class Manifest:
     def world_size(self) -> int:
         return int(self.raw["topology"]["world_size"])
 
-    @property
-    def params(self) -> list[ParamEntry]:
-        return [ParamEntry(p["name"], tuple(p["aliases"]), tuple(p["shape"]), p["numel"], p["unit"],
-                           p["chunk"], p["world"], p["optimizer_index"]) for p in self.raw["params"]]
+    @cached_property
+    def params(self) -> tuple[ParamEntry, ...]:
+        return tuple(ParamEntry(p["name"], tuple(p["aliases"]), tuple(p["shape"]), p["numel"], p["unit"],
+                                p["chunk"], p["world"], p["optimizer_index"]) for p in self.raw["params"])
 
     @property
     def state_dict_keys(self) -> list[dict]:
         return self.raw["state_dict_keys"]
 
-    @property
-    def shards(self) -> list[ShardRecord]:
-        return [ShardRecord(s["rank"], s["file"], s["bytes"], s.get("sha256")) for s in self.raw["shards"]]
+    @cached_property
+    def shards(self) -> tuple[ShardRecord, ...]:
+        return tuple(ShardRecord(s["rank"], s["file"], s["bytes"], s.get("sha256")) for s in self.raw["shards"])
 
     def shard_path(self, rank: int) -> str:
-        return os.path.join(self.tag_dir, self.raw["shards"][rank]["file"])
+        return os.path.join(self.tag_dir, self.shards[rank].file)
 
 
 def manifest_digest(raw: dict) -> str:

@@ -8,8 +8,13 @@ skipped and why. Any other error (the model does not fit, a newer format) is rai
 would only hide it. ``latest`` itself never names an incomplete tag (Note [checkpoint atomicity]); the fall
 back covers what happens to files after the save: a corrupted shard, a deleted tag, a lost ``latest``.
 
-The single-process readers use :func:`read_with_fallback`; the engine runs the same candidates through an
-agreement of all ranks (``collective.agreed_load``), since a damaged file may be seen by one rank only.
+One loop serves both kinds of reader: :func:`read_with_fallback` (and :func:`read_first_good`) take a
+``settle(error, candidate)`` callback that turns this process's outcome of reading a candidate into the
+outcome to act on. A single process acts on its own (:func:`alone`); the engine's ranks agree first
+(``collective.agreed_load``), since a damaged file may be seen by one rank only.
+
+The other complete tags are sorted by save time only when ``latest`` fails, since that reads every
+tag's manifest.
 """
 from __future__ import annotations
 
@@ -17,10 +22,10 @@ import json
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Iterator, NamedTuple, Optional, TypeVar
 
 from zeropp.checkpoint.format import (
-    MANIFEST, CheckpointError, CheckpointWarning, IntegrityError, list_tags, read_latest, resolve_tag_dir,
+    LATEST, MANIFEST, CheckpointError, CheckpointWarning, IntegrityError, list_tags, read_latest, resolve_tag_dir,
 )
 
 T = TypeVar("T")
@@ -34,17 +39,52 @@ class Candidate:
     tag_dir: str
 
 
+class Latest(NamedTuple):
+    """What ``load_dir/latest`` leads to: the tag it names (None if it names none), that tag's directory
+    (None if it is not there) and why it leads to nothing (None when it leads to ``tag_dir``)."""
+
+    tag: Optional[str]
+    tag_dir: Optional[str]
+    problem: Optional[str]
+
+
+def follow_latest(load_dir: str) -> Latest:
+    """Where ``load_dir/latest`` leads (the directory may be a copy a re-save set aside: ``resolve_tag_dir``)."""
+    tag, why = read_latest(load_dir)
+    if tag is None:
+        return Latest(None, None, why)
+    try:
+        return Latest(tag, resolve_tag_dir(load_dir, tag)[1], None)
+    except CheckpointError as err:
+        return Latest(tag, None, str(err))
+
+
 @dataclass
 class Candidates:
-    """The tags to try in order, and what was passed over before reading anything (``latest`` problems)."""
+    """The tags to try in order (iterate), and what was passed over before reading anything (``latest``
+    problems). ``latest`` comes first; the ``others`` are kept by name and sorted newest save first only
+    when the iteration gets past ``latest``."""
 
     load_dir: str
-    tags: list[Candidate] = field(default_factory=list)
+    latest: Optional[Candidate] = None
+    others: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    def __len__(self) -> int:
+        return len(self.others) + (self.latest is not None)
+
+    def __iter__(self) -> Iterator[Candidate]:
+        if self.latest is not None:
+            yield self.latest
+        # reads every other tag's manifest: done only once `latest` failed
+        newest_first = sorted(self.others, key=lambda t: (_created(os.path.join(self.load_dir, t)), t), reverse=True)
+        for tag in newest_first:
+            yield Candidate(tag, os.path.join(self.load_dir, tag))
+
     def fingerprint(self) -> str:
-        """The list as text, for checking that every rank sees the same one."""
-        return "\n".join(c.tag for c in self.tags)
+        """The tags as text, for checking that every rank sees the same ones (the order of the others follows
+        from their manifests, which every rank reads the same; ``collective`` checks each tag tried too)."""
+        return "\n".join(([self.latest.tag] if self.latest is not None else [""]) + self.others)
 
 
 def _created(tag_dir: str) -> float:
@@ -68,17 +108,14 @@ def candidates(load_dir: str) -> Candidates:
     out = Candidates(load_dir)
     if not os.path.isdir(load_dir):
         return out
-    latest, why = read_latest(load_dir)
-    if latest is not None:
-        try:
-            out.tags.append(Candidate(latest, resolve_tag_dir(load_dir, latest)[1]))
-        except CheckpointError as err:
-            out.notes.append(f"'latest' names '{latest}', which is not there ({err})")
+    latest = follow_latest(load_dir)
+    if latest.tag_dir is not None:
+        out.latest = Candidate(latest.tag, latest.tag_dir)  # type: ignore[arg-type]
+    elif latest.tag is not None:
+        out.notes.append(f"'{LATEST}' names '{latest.tag}', which is not there ({latest.problem})")
     else:
-        out.notes.append(str(why))
-    others = [t for t in list_tags(load_dir) if t != latest]
-    others.sort(key=lambda t: (_created(os.path.join(load_dir, t)), t), reverse=True)
-    out.tags += [Candidate(t, os.path.join(load_dir, t)) for t in others]
+        out.notes.append(str(latest.problem))
+    out.others = [t for t in list_tags(load_dir) if t != latest.tag]
     return out
 
 
@@ -95,26 +132,65 @@ def fallback_warning(load_dir: str, loaded: Candidate, skipped: list[str]) -> st
     return f"checkpoint {load_dir}: fell back to tag '{loaded.tag}': " + "; ".join(skipped)
 
 
-def read_with_fallback(load_dir: str, tag: Optional[str], read: Callable[[str], T]) -> tuple[Candidate, T]:
+# ---- reading: one loop, settled alone or by every rank together -----------------------------------------
+#: ``settle(error, candidate)``: this process's outcome of reading ``candidate`` (its exception, or None) ->
+#: the error to act on (None: it was read). An :class:`IntegrityError` falls back past the candidate; any
+#: other error is raised. The engine's ranks pass ``collective``'s agreement here, so that they all act alike.
+Settle = Callable[[Optional[BaseException], Candidate], Optional[BaseException]]
+
+
+def alone(error: Optional[BaseException], candidate: Candidate) -> Optional[BaseException]:
+    """The :data:`Settle` of a single process: its own outcome is the outcome."""
+    return error
+
+
+def read_tag(load_dir: str, tag: str, read: Callable[[str], T], settle: Settle = alone) -> tuple[Candidate, T]:
+    """``read(tag_dir)`` of tag ``tag`` (or the copy a re-save set aside); any error is raised, never skipped."""
+    cand = Candidate(str(tag), os.path.join(load_dir, str(tag)))  # named in errors if it cannot be resolved
+    result, error = None, None
+    try:
+        cand = Candidate(*resolve_tag_dir(load_dir, tag))
+        result = read(cand.tag_dir)
+    except Exception as err:  # noqa: BLE001 - settled (with the other ranks) below
+        error = err
+    error = settle(error, cand)
+    if error is not None:
+        raise error
+    return cand, result  # type: ignore[return-value]
+
+
+def read_first_good(found: Candidates, read: Callable[[str], T], settle: Settle = alone) -> tuple[Candidate, T]:
+    """``read(tag_dir)`` of the first of ``found`` whose settled outcome is not an :class:`IntegrityError`;
+    warns naming each tag skipped (and the ``latest`` notes) once one is read. Raises any other error at
+    once, and an :class:`IntegrityError` listing every candidate's problem when all fail verification."""
+    skipped = list(found.notes)
+    for cand in found:
+        result, error = None, None
+        try:
+            result = read(cand.tag_dir)
+        except Exception as err:  # noqa: BLE001 - settled (with the other ranks) below
+            error = err
+        error = settle(error, cand)
+        if error is None:
+            if skipped:
+                warnings.warn(fallback_warning(found.load_dir, cand, skipped), CheckpointWarning, stacklevel=4)
+            return cand, result  # type: ignore[return-value]
+        if not isinstance(error, IntegrityError):
+            raise error
+        skipped.append(f"skipped '{cand.tag}': {error}")
+    raise IntegrityError(f"no loadable checkpoint in {found.load_dir}: " + "; ".join(skipped))
+
+
+def read_with_fallback(load_dir: str, tag: Optional[str], read: Callable[[str], T],
+                       settle: Settle = alone) -> tuple[Candidate, T]:
     """``read(tag_dir)`` of tag ``tag``, or with ``tag=None`` of the first candidate that passes verification.
 
     Raises :class:`CheckpointError` when there is nothing to read, and :class:`IntegrityError` listing every
     candidate's problem when all fail verification.
     """
     if tag is not None:
-        tag, tag_dir = resolve_tag_dir(load_dir, tag)
-        return Candidate(tag, tag_dir), read(tag_dir)
+        return read_tag(load_dir, tag, read, settle)
     found = candidates(load_dir)
-    if not found.tags:
+    if not found:
         raise CheckpointError(f"no checkpoint to load: {no_checkpoint_reason(found)}")
-    skipped = list(found.notes)
-    for cand in found.tags:
-        try:
-            result = read(cand.tag_dir)
-        except IntegrityError as err:
-            skipped.append(f"skipped '{cand.tag}': {err}")
-            continue
-        if skipped:
-            warnings.warn(fallback_warning(load_dir, cand, skipped), CheckpointWarning, stacklevel=3)
-        return cand, result
-    raise IntegrityError(f"no loadable checkpoint in {load_dir}: " + "; ".join(skipped))
+    return read_first_good(found, read, settle)

@@ -1,7 +1,9 @@
 """A tag's files checked against its manifest (Note [checkpoint verification] in ``format.py``).
 
 - :func:`file_problems` / :func:`check_files`: every recorded shard file is present with its recorded
-  size, and no other ``shard_*`` file sits in the tag directory (cheap: ``stat`` and ``listdir``);
+  size, and no other ``shard_*`` file sits in the tag directory (one ``stat`` per file and a ``listdir``).
+  The engine's load runs it on rank 0 only, and the agreement tells the others (Note [one outcome for all
+  ranks]); every rank checks what it opens anyway, so the world's ranks make O(world) stats, not O(world²);
 - :func:`verify_shard`: one file's size and SHA-256, what a rank checks of each file it is about to read;
 - :func:`open_shard`: verify, ``torch.load``, then check that the payload belongs where the manifest puts it
   (the save's nonce, the rank, the world size);
@@ -11,24 +13,30 @@
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 from zeropp.checkpoint.format import (
-    LATEST, SHARD_PREFIX, CheckpointError, CheckpointWarning, IntegrityError, list_tags, load_shard, read_latest,
+    LATEST, SHARD_PREFIX, CheckpointError, CheckpointWarning, IntegrityError, list_tags, load_shard,
     resolve_tag_dir, sha256_file, shard_name,
 )
 from zeropp.checkpoint.manifest import Manifest, read_manifest
+from zeropp.checkpoint.resolve import follow_latest
 
 
 def _size_problem(manifest: Manifest, rank: int) -> Optional[IntegrityError]:
     rec = manifest.shards[rank]
     path = manifest.shard_path(rank)
-    if not os.path.isfile(path):
+    try:
+        st = os.stat(path)  # one stat: a shared file system pays a round trip for each
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
         return IntegrityError(f"shard file missing: {path} (rank {rank} of {manifest.world_size})",
                               file=rec.file, problem="missing")
-    size = os.path.getsize(path)
+    size = st.st_size
     if size != rec.bytes:
         kind = "truncated" if size < rec.bytes else "longer than recorded"
         return IntegrityError(f"shard file {kind}: {path} is {size} bytes, the manifest {manifest.path} "
@@ -91,6 +99,15 @@ def open_shard(manifest: Manifest, rank: int, mmap: bool = False) -> dict:
     for key in ("params", "optimizer", "counters"):
         if not isinstance(shard.get(key), dict):
             raise IntegrityError(f"shard file {path} has no '{key}' dictionary", file=name, problem="unreadable")
+    # what every reader indexes without asking, checked here so that a forged shard fails before any reader
+    # (a KeyError after the agreement would leave the engine half loaded)
+    for part, key, kind in (("optimizer", "state", dict), ("optimizer", "param_groups", list),
+                            ("counters", "micro_steps", int), ("counters", "global_steps", int)):
+        if not isinstance(shard[part].get(key), kind):
+            raise IntegrityError(f"shard file {path} has no {kind.__name__} '{part}.{key}'", file=name,
+                                 problem="unreadable")
+    if not isinstance(shard.get("buffers", {}), dict):
+        raise IntegrityError(f"shard file {path} has no 'buffers' dictionary", file=name, problem="unreadable")
     return shard
 
 
@@ -133,25 +150,30 @@ def verify_report(load_dir: str, tag: Optional[str] = None) -> VerifyReport:
     if not os.path.isdir(load_dir):
         rep.problems.append(f"checkpoint directory not found: {load_dir}")
         return rep
-    latest, why = read_latest(load_dir)
-    latest_bad = False
-    if latest is not None:
-        try:
-            resolve_tag_dir(load_dir, latest)
-        except CheckpointError as err:
-            latest_bad = True
-            rep.problems.append(f"'{LATEST}' names tag '{latest}', which is not there: {err}")
-    elif tag is None or os.path.exists(os.path.join(load_dir, LATEST)):
-        rep.problems.append(f"{why} (tags present: {list_tags(load_dir) or 'none'})")
-    rep.tag = tag if tag is not None else latest
-    if rep.tag is not None and not (latest_bad and rep.tag == latest):
+    latest = follow_latest(load_dir)  # what a tag=None load starts from (resolve.candidates)
+    latest_bad = latest.tag is not None and latest.tag_dir is None
+    if latest_bad:
+        rep.problems.append(f"'{LATEST}' names tag '{latest.tag}', which is not there: {latest.problem}")
+    elif latest.tag is None and (tag is None or os.path.exists(os.path.join(load_dir, LATEST))):
+        rep.problems.append(f"{latest.problem} (tags present: {list_tags(load_dir) or 'none'})")
+    rep.tag = tag if tag is not None else latest.tag
+    if rep.tag is not None and not (latest_bad and rep.tag == latest.tag):
         try:
             _verify_tag(rep, resolve_tag_dir(load_dir, rep.tag)[1])
-        except (CheckpointError, ValueError) as err:
+        except CheckpointError as err:  # a tag that is not there, or not a tag name
             rep.problems.append(str(err))
-    rep.notes += [f"leftover of an interrupted save (ignored by loads): {os.path.join(load_dir, d)}"
-                  for d in sorted(os.listdir(load_dir)) if d.startswith(".") and (".tmp-" in d or ".old-" in d)]
+    rep.notes += [_leftover_note(load_dir, d) for d in sorted(os.listdir(load_dir))
+                  if d.startswith(".") and (".tmp-" in d or ".old-" in d)]
     return rep
+
+
+def _leftover_note(load_dir: str, name: str) -> str:
+    path = os.path.join(load_dir, name)
+    if ".tmp-" in name:
+        return f"leftover of an interrupted save (ignored by loads): {path}"
+    tag = name[1:].rsplit(".old-", 1)[0]
+    return (f"leftover of an interrupted re-save of tag '{tag}' (a load of tag '{tag}' reads it while "
+            f"{os.path.join(load_dir, tag)} is missing; the next save of '{tag}' deletes it): {path}")
 
 
 def _verify_tag(rep: VerifyReport, tag_dir: str) -> None:
