@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from support.hf_trainer_case import (  # noqa: E402
-    BLOCK, SAVE_AT, STEPS, CorpusWindows, reference_parity, run, tiny_gpt2,
+    BLOCK, SAVE_AT, STEPS, corpus_windows, reference_parity, run, tiny_gpt2,
 )
 from support.world import run_world  # noqa: E402
 
@@ -109,7 +109,7 @@ def test_save_model_loads_in_a_plain_process_as_the_fp32_masters(world: list[dic
 
 
 def _plain_loss(model: torch.nn.Module) -> float:
-    rows = CorpusWindows(count=32).rows
+    rows = corpus_windows(32).rows
     model.eval()
     with torch.no_grad():
         return model(input_ids=rows, labels=rows).loss.item()

@@ -1,4 +1,4 @@
-"""Worker functions for tests/dist/test_checkpoint_verify.py: each runs on every rank of one world.
+"""Worker functions for tests/dist/test_checkpoint_integrity.py: each runs on every rank of one world.
 
 - ``verify_world`` (2 ranks): the resume idiom on nothing, saves ``s1`` and ``s2`` of one run, a full disk
   at each write of a save, a failed directory rename of a re-save, a 16-bit export that cannot create its
