@@ -19,7 +19,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import zeropp
-from zeropp.demo.data import ByteTokenizer, corpus_tokens
+from zeropp.demo.data import ByteTokenizer, CorpusWindows
 from zeropp.hf import ZeroppTrainer
 
 # A Hugging Face-style config: "auto" is filled in from the TrainingArguments by ZeroppTrainer.
@@ -43,21 +43,6 @@ CONFIG = {
     },
     "topology": {"ranks_per_node": 2},  # zeropp extension: 4 local processes = 2 nodes x 2
 }
-
-
-class CorpusWindows(torch.utils.data.Dataset):
-    """``count`` evenly spaced windows of the corpus; the labels are the inputs (GPT-2 shifts them)."""
-
-    def __init__(self, block: int, count: int = 2048) -> None:
-        tokens = corpus_tokens()
-        stride = (len(tokens) - block) // count
-        self.rows = torch.stack([tokens[i * stride: i * stride + block] for i in range(count)])
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
 def parse() -> argparse.Namespace:
@@ -92,7 +77,7 @@ def main() -> None:
         bf16=True, use_cpu=not torch.cuda.is_available(), report_to=[], disable_tqdm=True,
         dataloader_drop_last=True, seed=0)
     config = opts.config if opts.config is not None else CONFIG
-    trainer = ZeroppTrainer(model=model, args=args, train_dataset=CorpusWindows(opts.block_size),
+    trainer = ZeroppTrainer(model=model, args=args, train_dataset=CorpusWindows(opts.block_size, 2048),
                             zeropp_config=config)
     trainer.train()
     trainer.save_model(os.path.join(opts.out, "model"))  # every rank: the weights are gathered from all

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zeropp.demo.data import corpus_tokens
+from zeropp.demo.data import CorpusWindows
 
 STEPS, SAVE_AT, MICRO, GAS, BLOCK = 6, 3, 2, 2, 32
 LR = 3e-3
@@ -39,19 +39,8 @@ CONFIG: dict[str, Any] = {
 }
 
 
-class CorpusWindows(torch.utils.data.Dataset):
-    """Fixed windows of the byte-level corpus; labels are the inputs (GPT-2 shifts them itself)."""
-
-    def __init__(self, count: int = 256, block: int = BLOCK) -> None:
-        tokens = corpus_tokens()
-        stride = (len(tokens) - block) // count
-        self.rows = torch.stack([tokens[i * stride: i * stride + block] for i in range(count)])
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+def corpus_windows(count: int = 256) -> CorpusWindows:
+    return CorpusWindows(BLOCK, count)
 
 
 def tiny_gpt2(seed: int) -> torch.nn.Module:
@@ -92,11 +81,11 @@ def run(rank: int, world: int, root: str) -> dict:
     from zeropp.hf import ZeroppTrainer
 
     out = os.path.join(root, "out")
-    data = CorpusWindows()
+    data = corpus_windows()
     trainer = ZeroppTrainer(model=tiny_gpt2(seed=0), args=training_args(out), train_dataset=data,
                             zeropp_config=copy.deepcopy(CONFIG))
     trainer.train()
-    eval_rows = CorpusWindows(count=32)  # 8 batches of 4: two per rank (dataloader_drop_last applies to eval too)
+    eval_rows = corpus_windows(32)  # 8 batches of 4: two per rank (dataloader_drop_last applies to eval too)
     evaluated = trainer.evaluate(eval_rows)["eval_loss"]  # forward through the engine (stage-3 gathers)
     final = os.path.join(root, "final")
     trainer.save_model(final)  # collective
@@ -161,7 +150,7 @@ def _history(trainer: Any) -> list[tuple[float, float, float]]:
 
 def reference_parity(root: str, batch_mean_loss: bool) -> list[tuple[float, float, float]]:
     """The plain Trainer's run in this (non-distributed) process."""
-    return _history(parity_trainer(os.path.join(root, f"reference{int(batch_mean_loss)}"), CorpusWindows(),
+    return _history(parity_trainer(os.path.join(root, f"reference{int(batch_mean_loss)}"), corpus_windows(),
                                    zeropp=False, batch_mean_loss=batch_mean_loss))
 
 

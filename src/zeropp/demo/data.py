@@ -130,3 +130,19 @@ def get_batch(
     x = tokens[idx].long()
     y = tokens[idx + 1].long()
     return x, y
+
+
+class CorpusWindows(torch.utils.data.Dataset):
+    """``count`` evenly spaced windows of ``block`` tokens of the shipped corpus, as Hugging Face batches:
+    ``{"input_ids", "labels"}`` with the labels equal to the inputs (causal LM heads shift them)."""
+
+    def __init__(self, block: int, count: int) -> None:
+        tokens = corpus_tokens()
+        stride = (len(tokens) - block) // count
+        self.rows = torch.stack([tokens[i * stride: i * stride + block] for i in range(count)])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}

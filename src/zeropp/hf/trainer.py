@@ -53,33 +53,25 @@ class ZeroppTrainerError(ValueError):
     """A Trainer setting that cannot work with zeropp (the message names the argument)."""
 
 
+# TrainingArguments settings ZeroppTrainer cannot honour when they are set, and why
+_UNSUPPORTED_ARGUMENTS = (
+    ("deepspeed", "ZeroppTrainer takes the place of DeepSpeed; pass the DeepSpeed-style config as "
+                  "ZeroppTrainer(zeropp_config=...) and leave TrainingArguments.deepspeed unset"),
+    ("fsdp", "FSDP and zeropp both shard the model; use one (zeropp's ZeRO-3 is the same partitioning)"),
+    ("torch_compile", "a compiled model is not supported by zeropp yet (its stage-3 hooks gather weights per "
+                      "module in eager mode)"),
+    ("parallelism_config", "zeropp partitions over data-parallel ranks only (no tensor, context or sequence "
+                           "parallelism)"),
+    ("auto_find_batch_size", "not supported yet (the engine's batch size is fixed when it is built)"),
+    ("load_best_model_at_end", "not supported yet with zeropp"),
+    ("push_to_hub", "not supported yet with zeropp (save with save_model and upload the directory)"),
+    ("save_on_each_node", "not supported yet (zeropp checkpoints assume storage every rank can read)"),
+)
+
+
 def unsupported_arguments(args: transformers.TrainingArguments) -> list[str]:
     """One line per ``TrainingArguments`` setting that ZeroppTrainer cannot honour (empty: all fine)."""
-    problems = []
-    if args.deepspeed:
-        problems.append("deepspeed: ZeroppTrainer takes the place of DeepSpeed; pass the DeepSpeed-style config "
-                        "as ZeroppTrainer(zeropp_config=...) and leave TrainingArguments.deepspeed unset")
-    if args.fsdp:
-        problems.append("fsdp: FSDP and zeropp both shard the model; use one (zeropp's ZeRO-3 is the same "
-                        "partitioning)")
-    if args.torch_compile:
-        problems.append("torch_compile: a compiled model is not supported by zeropp yet (its stage-3 hooks "
-                        "gather weights per module in eager mode)")
-    if getattr(args, "parallelism_config", None) is not None:
-        problems.append("parallelism_config: zeropp partitions over data-parallel ranks only (no tensor, "
-                        "context or sequence parallelism)")
-    if args.auto_find_batch_size:
-        problems.append("auto_find_batch_size: not supported yet (the engine's batch size is fixed when it is "
-                        "built)")
-    if args.load_best_model_at_end:
-        problems.append("load_best_model_at_end: not supported yet with zeropp")
-    if args.push_to_hub:
-        problems.append("push_to_hub: not supported yet with zeropp (save with save_model and upload the "
-                        "directory)")
-    if args.save_on_each_node:
-        problems.append("save_on_each_node: not supported yet (zeropp checkpoints assume storage every rank "
-                        "can read)")
-    return problems
+    return [f"{name}: {why}" for name, why in _UNSUPPORTED_ARGUMENTS if getattr(args, name, None)]
 
 
 def _read_config(source: ConfigSource) -> tuple[dict, Optional[str]]:
