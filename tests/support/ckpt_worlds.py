@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zeropp
 from support.models import TiedNet, rank_slice, tied_batch
-from support.train import config
+from support.train import config, error_of
 from zeropp.checkpoint.format import CRASH_ENV
 
 N, M = 3, 3  # steps before the save, steps after it
@@ -114,14 +114,6 @@ def resume(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def _error_of(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the test reads the message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def engine_errors(rank: int, world: int, root: str) -> dict:
     """Errors raised through the engine on every rank (none may hang the others)."""
     cfg = VARIANTS["zero3"]
@@ -129,9 +121,9 @@ def engine_errors(rank: int, world: int, root: str) -> dict:
     engine = _engine(cfg, seed=0)
     before = engine.consolidated_state_dict()
     errors = {
-        "mismatch": _error_of(lambda: wrong.load_checkpoint(os.path.join(root, "zero3"))),
-        "missing_tag": _error_of(lambda: engine.load_checkpoint(os.path.join(root, "zero3"), tag="nope")),
-        "one_rank_corrupt": _error_of(lambda: engine.load_checkpoint(os.path.join(root, "corrupt"))),
+        "mismatch": error_of(lambda: wrong.load_checkpoint(os.path.join(root, "zero3"))),
+        "missing_tag": error_of(lambda: engine.load_checkpoint(os.path.join(root, "zero3"), tag="nope")),
+        "one_rank_corrupt": error_of(lambda: engine.load_checkpoint(os.path.join(root, "corrupt"))),
     }
     after = engine.consolidated_state_dict()
     errors["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from support.train import error_of
 from zeropp.demo.data import CorpusWindows
 
 STEPS, SAVE_AT, MICRO, GAS, BLOCK = 6, 3, 2, 2, 32
@@ -69,14 +70,6 @@ def _losses(trainer: Any) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the test reads the message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def run(rank: int, world: int, root: str) -> dict:
     from zeropp.hf import ZeroppTrainer
 
@@ -100,7 +93,7 @@ def run(rank: int, world: int, root: str) -> dict:
         "stage": trainer.engine.zero_optimization_stage(),
         "lr_scheduler": type(trainer.engine.lr_scheduler).__name__,
         "eval_loss": evaluated,
-        "train_again": _error(trainer.train),  # the engine's optimizer and schedule would not start over
+        "train_again": error_of(trainer.train),  # the engine's optimizer and schedule would not start over
     }
     # a second trainer, other initial weights, resumes from the mid-run checkpoint and trains to STEPS
     resumed = ZeroppTrainer(model=tiny_gpt2(seed=1), args=training_args(os.path.join(root, "out2")),
@@ -165,10 +158,10 @@ def errors(root: str, data: Any) -> dict[str, str]:
 
     return {
         # the Trainer says fp16, the config bf16
-        "precision": _error(lambda: start(copy.deepcopy(CONFIG) | {"bf16": {"enabled": True}}, bf16=False,
+        "precision": error_of(lambda: start(copy.deepcopy(CONFIG) | {"bf16": {"enabled": True}}, bf16=False,
                                           fp16=True)),
-        "gas": _error(lambda: start(copy.deepcopy(CONFIG) | {"gradient_accumulation_steps": 4})),
+        "gas": error_of(lambda: start(copy.deepcopy(CONFIG) | {"gradient_accumulation_steps": 4})),
         # a model directory is not a Trainer checkpoint: no engine state to resume from
-        "resume_without_engine_state": _error(lambda: start(copy.deepcopy(CONFIG),
+        "resume_without_engine_state": error_of(lambda: start(copy.deepcopy(CONFIG),
                                                             resume=os.path.join(root, "final"))),
     }

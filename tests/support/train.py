@@ -107,3 +107,12 @@ def param_rel_error(state: dict, ref: dict) -> float:
     num = sum(float((state[k].float() - ref[k].float()).pow(2).sum()) for k in ref)
     den = sum(float(ref[k].float().pow(2).sum()) for k in ref)
     return (num / den) ** 0.5
+
+
+def error_of(fn: Any) -> str:
+    """``"Type: message"`` of what ``fn()`` raises (``"no error"`` if nothing): worlds return it for the test."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
