@@ -41,6 +41,7 @@ from zeropp.config_models import (
     DEEPSPEED_ONLY_SCHEDULERS,
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
+    STATUS_IMPLEMENTED,
     STATUS_INERT,
     STATUS_PARTIAL,
     STATUS_TUNING,
@@ -141,8 +142,10 @@ class ZeroppConfig(Section):
     zero_optimization: ZeroConfig = F(default_factory=ZeroConfig, doc="ZeRO stage and ZeRO++ switches.")
     topology: TopologyConfig = F(default_factory=TopologyConfig, doc="zeropp extension: node layout.")
     gradient_clipping: Number = F(0.0, ge=0, doc="Clip the global gradient norm to this; 0 = off.")
-    steps_per_print: DSInt = F(10, ge=1, doc="DeepSpeed's progress-print period.", status=STATUS_TUNING)
-    wall_clock_breakdown: bool = F(False, doc="DeepSpeed's timer breakdown.", status=STATUS_TUNING)
+    steps_per_print: DSInt = F(10, ge=1, doc="With `wall_clock_breakdown`, print the time report every this "
+                               "many optimizer steps.", status=STATUS_IMPLEMENTED)
+    wall_clock_breakdown: bool = F(False, doc="Print `engine.time_report()` (where each step's time went) on "
+                                   "rank 0 every `steps_per_print` steps.", status=STATUS_IMPLEMENTED)
     prescale_gradients: bool = F(False, doc="Divide gradients by world size before reducing. `true` is "
                                  "not supported yet.", status=STATUS_PARTIAL)
     gradient_predivide_factor: Number = F(1.0, gt=0, doc="Split of the averaging before/after the "

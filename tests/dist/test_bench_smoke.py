@@ -14,7 +14,8 @@ import pytest
 SYSTEMS = ("ddp", "zeropp_zero3", "zeropp_all")
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "other")
 ROW_FIELDS = {"system", "label", "bandwidth", "parameters", "steps", "warmup", "step_times_s", "median_step_s",
-              "losses", "loss", "step_index", "wire", "ledger", "model_state_bytes_peak"}
+              "losses", "loss", "step_index", "wire", "ledger", "model_state_bytes_peak",
+              "time_breakdown_s"}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,15 @@ def test_ledger_rows(bench: dict) -> None:
     z3_mem = _row(bench, "zeropp_zero3")["model_state_bytes_peak"]["total"]
     zpp_mem = _row(bench, "zeropp_all")["model_state_bytes_peak"]
     assert zpp_mem["hpz_secondary"] > 0 and zpp_mem["total"] > z3_mem
+
+
+def test_time_breakdown_rows(bench: dict) -> None:
+    """zeropp rows carry engine.time_report()'s per-phase medians; other systems have none."""
+    assert _row(bench, "ddp")["time_breakdown_s"] is None
+    for system in ("zeropp_zero3", "zeropp_all"):
+        t = _row(bench, system)["time_breakdown_s"]
+        assert t["step_s"] > 0 and t["forward_compute"] > 0 and t["busy_forward_gather"] > 0
+        assert 0 <= t["exposed_comm_fraction"] < 1
 
 
 def test_losses_agree(bench: dict) -> None:

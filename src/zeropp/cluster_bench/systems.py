@@ -69,6 +69,10 @@ class System:
         """The ledger's bytes of the last step by phase and link (zeropp only)."""
         return None
 
+    def time_report(self) -> Optional[dict[str, Any]]:
+        """The engine's breakdown of the last step's time (zeropp only; Note [time report])."""
+        return None
+
 
 class StorageCounter:
     """Sums tensor storage bytes, each storage once (views and tied weights are not counted twice)."""
@@ -298,6 +302,9 @@ class ZeroppSystem(EngineSystem):
 
     def comm_report(self) -> Optional[dict[str, dict[str, int]]]:
         return self.engine.comm_report()
+
+    def time_report(self) -> Optional[dict[str, Any]]:
+        return self.engine.time_report()
 
 
 # ---------------------------------------------------------------------------------------------- factory

@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -96,10 +96,11 @@ class Run:
         dist.barrier()
         before = read_link_counters() if spec["wire_counters"] and self.local_rank == 0 else None
         dist.barrier()
-        times, losses = [], []
+        times, losses, breakdowns = [], [], []
         for i in range(spec["steps"]):
             t0 = time.perf_counter()
             losses.append(self.train_step(sample_memory=False))
+            breakdowns.append(self.system.time_report())
             dist.barrier()
             times.append(time.perf_counter() - t0)
             if self.rank == 0:
@@ -108,7 +109,8 @@ class Run:
         dist.barrier()
         after = read_link_counters() if spec["wire_counters"] and self.local_rank == 0 else None
         mine = {"rank": self.rank, "local_rank": self.local_rank, "times": times, "losses": losses,
-                "counters": [before, after], "peak": self.peak, "comm": self.system.comm_report()}
+                "counters": [before, after], "peak": self.peak, "comm": self.system.comm_report(),
+                "time": _median_breakdown(breakdowns)}
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine)
         if self.rank == 0:
@@ -135,11 +137,24 @@ class Run:
                 ledger["all_ranks"][phase] = {link: sum(r["comm"][phase][link] for r in everyone)
                                               for link in everyone[0]["comm"][phase]}
         peak = max((r["peak"] for r in everyone), key=lambda p: p.get("total", 0))
+        breakdown = None
+        if everyone[0]["time"] is not None:  # the rank whose steps took longest sets the pace
+            breakdown = max((r["time"] for r in everyone), key=lambda t: t["step_s"])
         return {"system": self.name, "label": systems.SYSTEMS[self.name][1], "bandwidth": label,
                 "parameters": self.parameters, "steps": steps, "warmup": self.spec["warmup"],
                 "step_times_s": step_times, "median_step_s": statistics.median(step_times),
                 "losses": losses, "loss": losses[-1], "step_index": self.step_index,
-                "wire": wire, "ledger": ledger, "model_state_bytes_peak": peak}
+                "wire": wire, "ledger": ledger, "model_state_bytes_peak": peak, "time_breakdown_s": breakdown}
+
+
+def _median_breakdown(reports: list[Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+    """Per-key medians over the timed steps of ``engine.time_report()`` (flattened), or None (not zeropp)."""
+    if not reports or reports[0] is None:
+        return None
+    flat = [{"step_s": r["step_s"], "exposed_comm_fraction": r["exposed_comm_fraction"], **r["phases_s"],
+             **{f"grad_reduce_wait_{k}": v for k, v in r["grad_reduce_wait_by_link_s"].items()},
+             **{f"busy_{k}": v for k, v in r["collective_busy_s"].items()}} for r in reports if r]
+    return {key: statistics.median(f[key] for f in flat) for key in flat[0]}
 
 
 def main(argv: list[str]) -> int:

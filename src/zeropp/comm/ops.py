@@ -2,10 +2,13 @@
 
 Each function takes explicit inputs (tensors, a :class:`~zeropp.topology.Group`, the phase) and records
 into the :class:`CommLedger` the bytes this rank receives from members on its own node and on other nodes.
-Single-member groups short-cut to a local copy and move no bytes.
+Single-member groups short-cut to a local copy and move no bytes. It also records, per phase and link, the
+seconds the caller was blocked in each collective and the seconds from issue to completion (Note [collective
+time] in ``ledger.py``).
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -13,7 +16,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from zeropp.comm.ledger import CommLedger, Phase
+from zeropp.comm.ledger import CommLedger, Link, Phase
 from zeropp.topology import Group, Topology
 
 
@@ -56,12 +59,43 @@ class Handle:
     what: str = ""
     group: Optional[Group] = None
     rank: int = 0
+    clock: Optional["_Clock"] = None
 
     def wait(self) -> None:
         if self.work is not None:
+            start = time.perf_counter()
             with _peer_errors(self.what, self.group or Group(()), self.rank):
                 self.work.wait()
             self.work = None
+            if self.clock is not None:
+                self.clock.finished(start, time.perf_counter())
+
+
+@dataclass
+class _Clock:
+    """Times one collective: blocked seconds in ``wait`` and issue-to-completion seconds (Note [collective
+    time]). The backend's completion callback stamps the end; both are recorded on the waiting thread so a
+    step's times land in that step."""
+
+    ledger: CommLedger
+    phase: Phase
+    link: Link
+    issued: float = 0.0
+    completed: Optional[float] = None
+
+    def watch(self, work: Any) -> None:
+        try:
+            work.get_future().add_done_callback(self._stamp)
+        except (AttributeError, RuntimeError):  # a backend without futures: completion = end of wait
+            pass
+
+    def _stamp(self, _future: Any) -> None:
+        self.completed = time.perf_counter()
+
+    def finished(self, wait_start: float, wait_end: float) -> None:
+        self.ledger.record_time("wait", self.phase, self.link, wait_end - wait_start)
+        done = self.completed if self.completed is not None else wait_end
+        self.ledger.record_time("busy", self.phase, self.link, max(0.0, min(done, wait_end) - self.issued))
 
 
 DONE = Handle()
@@ -83,6 +117,23 @@ class Comm:
         inter = sum(1 for r in group.ranks if not self.topo.same_node(r))
         self.ledger.record(phase, intra * bytes_per_peer, inter * bytes_per_peer)
 
+    def _link(self, group: Group) -> Link:
+        return Link.INTRA_NODE if all(self.topo.same_node(r) for r in group.ranks) else Link.INTER_NODE
+
+    def _run(self, what: str, group: Group, phase: Phase, async_op: bool, call: Any) -> Handle:
+        """Issue ``call()`` (a torch.distributed collective) with peer-loss translation and timing."""
+        clock = _Clock(self.ledger, phase, self._link(group), issued=time.perf_counter())
+        with _peer_errors(what, group, self.topo.rank):
+            work = call()
+        handle = Handle(work, what, group, self.topo.rank, clock)
+        if async_op:
+            clock.watch(work)
+        else:
+            handle.work = None
+            end = time.perf_counter()
+            clock.finished(clock.issued, end)
+        return handle
+
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, phase: Phase, async_op: bool = False
     ) -> Handle:
@@ -93,9 +144,8 @@ class Comm:
             out.view(-1).copy_(inp.view(-1))
             return DONE
         self._record_per_peer(group, inp.numel() * inp.element_size(), phase)
-        with _peer_errors("all_gather", group, self.topo.rank):
-            work = _all_gather_single(out.view(-1), inp.reshape(-1), group=group.handle, async_op=async_op)
-        return Handle(work, "all_gather", group, self.topo.rank)
+        return self._run("all_gather", group, phase, async_op, lambda: _all_gather_single(
+            out.view(-1), inp.reshape(-1), group=group.handle, async_op=async_op))
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, group: Group, phase: Phase, async_op: bool = False
@@ -107,9 +157,8 @@ class Comm:
             out.copy_(inp)
             return DONE
         self._record_per_peer(group, inp.numel() // group.size * inp.element_size(), phase)
-        with _peer_errors("all_to_all", group, self.topo.rank):
-            work = dist.all_to_all_single(out, inp, group=group.handle, async_op=async_op)
-        return Handle(work, "all_to_all", group, self.topo.rank)
+        return self._run("all_to_all", group, phase, async_op, lambda: dist.all_to_all_single(
+            out, inp, group=group.handle, async_op=async_op))
 
     def all_reduce(self, t: torch.Tensor, group: Group, phase: Phase = Phase.OTHER, op: str = "sum",
                    async_op: bool = False) -> Handle:
@@ -120,9 +169,8 @@ class Comm:
         per_peer = 2 * t.numel() * t.element_size() // p
         self._record_per_peer(group, per_peer, phase)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        with _peer_errors("all_reduce", group, self.topo.rank):
-            work = dist.all_reduce(t, op=red, group=group.handle, async_op=async_op)
-        return Handle(work, "all_reduce", group, self.topo.rank)
+        return self._run("all_reduce", group, phase, async_op, lambda: dist.all_reduce(
+            t, op=red, group=group.handle, async_op=async_op))
 
     def broadcast(self, t: torch.Tensor, src: int, group: Group, phase: Phase = Phase.OTHER) -> None:
         """In-place broadcast from global rank ``src``."""
@@ -133,8 +181,7 @@ class Comm:
             nbytes = t.numel() * t.element_size()
             same = self.topo.same_node(src)
             self.ledger.record(phase, nbytes if same else 0, 0 if same else nbytes)
-        with _peer_errors("broadcast", group, me):
-            dist.broadcast(t, src=src, group=group.handle)
+        self._run("broadcast", group, phase, False, lambda: dist.broadcast(t, src=src, group=group.handle))
 
     def barrier(self, group: Optional[Group] = None) -> None:
         g = group or self.topo.world

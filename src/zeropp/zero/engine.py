@@ -44,6 +44,7 @@ from zeropp.zero.buckets import GradBuckets
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.param_use import ParamUse
+from zeropp.zero.timing import StepTimer, format_time_report
 
 log = logging.getLogger("zeropp")
 
@@ -156,6 +157,7 @@ class ZeroEngine(DeepSpeedSurface):
         self.topo = topo
         self.ledger = ledger
         self.comm = Comm(topo, ledger)
+        self.timer = StepTimer(ledger)  # Note [time report]
         self.strategies = strategies
         self.policy = policy
         self.plan = StagePlan(policy.stage)
@@ -193,6 +195,9 @@ class ZeroEngine(DeepSpeedSurface):
         self._skipped = False
         self._update: Optional[_BackgroundUpdate] = None
         self.ledger.reset()  # set-up traffic is not a training step
+        self.timer.reset()
+        breakdown = config is not None and getattr(config, "wall_clock_breakdown", False)
+        self._print_every = int(getattr(config, "steps_per_print", 10)) if breakdown else 0
         gathered.track(self)  # so zeropp.zero.GatheredParameters finds the engine of a parameter
 
     # ---- construction ------------------------------------------------------------------------------------
@@ -259,7 +264,8 @@ class ZeroEngine(DeepSpeedSurface):
         """Optimizer offload: order the gather after the upload of the shard the last step wrote."""
         upload = self._uploads.pop(unit, None)
         if upload is not None:
-            upload.wait()
+            with self.timer.span("offload_io"):
+                upload.wait()
 
     def _copy_back(self, unit: Unit) -> None:
         """Optimizer offload with device memory apart from the host: start uploading the updated shard."""
@@ -368,15 +374,16 @@ class ZeroEngine(DeepSpeedSurface):
         )
         args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         self._order[Pass.FORWARD] = []
-        if self.use is None:
-            return self.module(*args, **kwargs)
-        try:
-            with self.use.watching():
+        with self.timer.span("forward"):
+            if self.use is None:
                 return self.module(*args, **kwargs)
-        finally:
-            self._drain_prefetches(Pass.FORWARD)
-            for unit in self.units:  # a unit whose forward raised is still gathered
-                self._release(unit, Pass.FORWARD)
+            try:
+                with self.use.watching():
+                    return self.module(*args, **kwargs)
+            finally:
+                self._drain_prefetches(Pass.FORWARD)
+                for unit in self.units:  # a unit whose forward raised is still gathered
+                    self._release(unit, Pass.FORWARD)
 
     forward = __call__
 
@@ -391,11 +398,12 @@ class ZeroEngine(DeepSpeedSurface):
         self._grads_missing = {}
         self._order[Pass.BACKWARD] = []
         watch = self.use.watching() if self.use is not None else contextlib.nullcontext()
-        try:
-            with watch:
-                (loss * (scale / gas) if scale != 1.0 or gas > 1 else loss).backward()
-        finally:
-            self._finish_backward()
+        with self.timer.span("backward"):
+            try:
+                with watch:
+                    (loss * (scale / gas) if scale != 1.0 or gas > 1 else loss).backward()
+            finally:
+                self._finish_backward()
 
     def _finish_backward(self) -> None:
         self.buckets.finish()
@@ -428,20 +436,25 @@ class ZeroEngine(DeepSpeedSurface):
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, step the optimizer on the master shards."""
         if self._backward_open:
-            self._finish_backward()
+            with self.timer.span("backward"):
+                self._finish_backward()
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
-        if not self.plan.reduces_as_ready:
-            self._reduce_whole_gradients()
-        after = self.policy.delayed_update_after
-        delayed = after is not None and self.global_steps >= after
-        if delayed:
-            self.join_update()  # the previous step's update becomes the next forward's weights
-        self._optimizer_step(background=delayed)
+        with self.timer.span("optimizer"):
+            if not self.plan.reduces_as_ready:
+                self._reduce_whole_gradients()
+            after = self.policy.delayed_update_after
+            delayed = after is not None and self.global_steps >= after
+            if delayed:
+                self.join_update()  # the previous step's update becomes the next forward's weights
+            self._optimizer_step(background=delayed)
         self.global_steps += 1
         self.ledger.close_step()
+        self.timer.close_step()
+        if self._print_every and self.global_steps % self._print_every == 0 and self.topo.rank == 0:
+            print(f"[zeropp] {format_time_report(self.timer.report(), self.global_steps)}", flush=True)
 
     def _optimizer_step(self, background: bool = False) -> None:
         """Unscale, take the global norm, skip or clip, then update the masters.
@@ -455,7 +468,8 @@ class ZeroEngine(DeepSpeedSurface):
         """
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         cache: dict[Unit, torch.Tensor] = {}
-        self.link.settle()  # the host rows are written below: no upload may still read them
+        with self.timer.span("offload_io"):
+            self.link.settle()  # the host rows are written below: no upload may still read them
 
         def fp32_grad(u: Unit) -> torch.Tensor:
             # .float() of an fp32 row is the row itself, which is zeroed below while a background update may
@@ -667,6 +681,17 @@ class ZeroEngine(DeepSpeedSurface):
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Bytes this rank received in the last completed step, by phase and link."""
         return self.ledger.last_step_report()
+
+    def time_report(self) -> dict[str, Any]:
+        """Where the last completed step's wall time went (Note [time report] in ``zero/timing.py``).
+
+        ``phases_s``: forward/backward compute, exposed waits for forward and backward gathers, gradient
+        reduction and other collectives, the optimizer step, offload I/O waits, and time outside the engine
+        (``untracked``), summing to ``step_s``; ``grad_reduce_wait_by_link_s`` splits the reduction wait by
+        link (qgZ's intra-node and inter-node hops); ``collective_busy_s`` is issue-to-completion time per
+        phase, hidden or not; ``exposed_comm_fraction`` is the waits' share of the step.
+        """
+        return self.timer.report()
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the model-state tensors this rank holds, by kind, measured from the tensors.
