@@ -1,6 +1,10 @@
-"""Block-wise quantizers: error bounds, format, edge cases, and the fast path's bit-identity with the spec."""
+"""Block-wise quantizers: error bounds, format, edge cases, qgZ's reduction steps, and the C kernel's bit-identity
+with the spec (the Triton kernels: test_quant_triton.py)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,12 +14,15 @@ from zeropp.quant import (
     NonFiniteInputError,
     QuantizedRows,
     dequantize,
+    dequantize_sum,
+    dequantize_sum_quantize,
     fast_available,
     payload_bytes,
     quantize,
+    triton_available,
 )
 from zeropp.quant import blockwise as spec
-from zeropp.quant import fast
+from zeropp.quant import dispatch, fast
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BITS = (8, 4)
@@ -315,3 +322,179 @@ def test_dispatch_falls_back_to_spec_without_kernel(monkeypatch):
     ref = spec.quantize(x, layout, 4)
     assert torch.equal(q.data, ref.data) and torch.equal(q.scales, ref.scales)
     assert torch.equal(dequantize(q, layout, 4, torch.float16), spec.dequantize(ref, layout, 4, torch.float16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# qgZ's reduction steps and poisoning: the spec's definition, and the C kernel bit-identical to it.
+
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (so -0 differs from +0); NaNs in the same places, any payload."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan = torch.isnan(a)
+    zero = torch.zeros((), dtype=_INT_VIEW[a.dtype])
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(
+        torch.where(nan, zero, a.view(_INT_VIEW[a.dtype])), torch.where(nan, zero, b.view(_INT_VIEW[b.dtype])))
+
+
+def _rows_equal(a: QuantizedRows, b: QuantizedRows) -> bool:
+    return torch.equal(a.data, b.data) and _same_bits(a.scales, b.scales)
+
+
+def test_dequantize_sum_adds_pieces_left_to_right():
+    """Pieces that dequantize exactly to 2^24, 1, -2^24: left to right, 2^24 + 1 rounds (to even) back to 2^24
+    and the sum is 0; any other order gives 1."""
+    layout = BlockLayout((2,), 2)
+    codes = torch.tensor([[64, 0], [1, 0], [-64, 0]], dtype=torch.int8).view(torch.uint8)
+    q = QuantizedRows(codes, torch.tensor([[2.0**18], [1.0], [2.0**18]]))
+    for impl in (spec.dequantize_sum, fast.dequantize_sum):
+        assert impl(q, layout, 8, 3).tolist() == [[0.0, 0.0]]
+        assert impl(q, layout, 8, 1).tolist() == [[2.0**24, 0.0], [1.0, 0.0], [-(2.0**24), 0.0]]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_sum_divides_by_the_divisor_exactly(case, bits):
+    """The divisor is a true fp32 division: the exact quotient of the fp32 sum, rounded once (computing it in
+    float64 and rounding to float32 is exact for one division)."""
+    _, g, layout, build = case
+    q = spec.quantize(build(g, layout), layout, bits)
+    total = spec.dequantize_sum(q, layout, bits, g)
+    for divisor in (3, 7.3):
+        d32 = float(torch.tensor(divisor, dtype=torch.float32))
+        want = (total.double() / d32).float()
+        for impl in (spec.dequantize_sum, dequantize_sum):
+            assert _same_bits(impl(q, layout, bits, g, divisor=divisor), want)
+
+
+@needs_fast
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("bits", BITS)
+def test_fast_qgz_steps_bit_identical(case, bits):
+    _, g, layout, build = case
+    x = build(g, layout)
+    stacked = torch.cat([x, x * -0.37, x * 3.1])  # 3 pieces of g rows
+    q = spec.quantize(stacked, layout, bits)
+    for pieces in (1, 3, 3 * g):
+        for divisor in (None, 6):
+            want = spec.dequantize_sum(q, layout, bits, pieces, divisor=divisor)
+            assert _same_bits(fast.dequantize_sum(q, layout, bits, pieces, divisor=divisor), want), pieces
+        for poison in (False, True):
+            want = spec.dequantize_sum_quantize(q, layout, bits, pieces, poison=poison)
+            assert _rows_equal(fast.dequantize_sum_quantize(q, layout, bits, pieces, poison=poison), want), pieces
+
+
+@needs_fast
+@pytest.mark.parametrize("bits", BITS)
+def test_fast_qgz_steps_multithreaded_odd_segments(bits):
+    segs = (3, *([2047] * 70), 0, 4096 * 40 + 1)
+    layout = BlockLayout(segs, 4096)
+    x = torch.randn(4, layout.numel, generator=_gen(13))
+    q = spec.quantize(x, layout, bits)
+    assert _same_bits(fast.dequantize_sum(q, layout, bits, 2, divisor=2),
+                      spec.dequantize_sum(q, layout, bits, 2, divisor=2))
+    want = spec.dequantize_sum_quantize(q, layout, bits, 4)
+    assert _rows_equal(fast.dequantize_sum_quantize(q, layout, bits, 4), want)
+
+
+@needs_fast
+@pytest.mark.parametrize("bits", BITS)
+def test_fast_qgz_steps_non_finite(bits):
+    """An overflowing sum and a NaN scale that arrived: raise naming the output row and segment, or poison."""
+    layout = BlockLayout((5, 12, 3), 4)
+    x = torch.randn(6, layout.numel, generator=_gen(14))
+    x[1, 6] = x[4, 6] = 3e38  # rows 1 of both pieces: the sum overflows in block 2 (segment 1)
+    q = spec.quantize(x, layout, bits)
+    q.scales[5, 5] = float("nan")  # piece 1, row 2, block 5 (segment 2)
+    for impl in (spec.dequantize_sum_quantize, fast.dequantize_sum_quantize):
+        with pytest.raises(NonFiniteInputError) as info:
+            impl(q, layout, bits, 2)
+        assert (info.value.row, info.value.segment) == (1, 1)
+    want = spec.dequantize_sum_quantize(q, layout, bits, 2, poison=True)
+    assert want.scales.isnan().nonzero().tolist() == [[1, 2], [2, 5]]
+    assert _rows_equal(fast.dequantize_sum_quantize(q, layout, bits, 2, poison=True), want)
+    assert _same_bits(fast.dequantize_sum(q, layout, bits, 2), spec.dequantize_sum(q, layout, bits, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", BITS)
+def test_poison_marks_bad_blocks_and_quantizes_the_rest(dtype, bits):
+    """poison=True: NaN scales exactly on the blocks holding inf/nan, codes as if those elements were 0; the
+    C kernel gives the same bits (also over threads, with bad blocks on odd int4 offsets)."""
+    layout = BlockLayout((10, 0, 21, 30), 8)
+    x = torch.randn(3, layout.numel, generator=_gen(15)).to(dtype)
+    x[0, 3], x[2, 33], x[2, 60] = float("nan"), float("inf"), float("-inf")
+    q = spec.quantize(x, layout, bits, poison=True)
+    assert q.scales.isnan().nonzero().tolist() == [[0, 0], [2, 5], [2, 8]]
+    clean = spec.quantize(torch.where(x.isfinite(), x, torch.zeros((), dtype=dtype)), layout, bits)
+    assert torch.equal(q.data, clean.data)
+    assert torch.equal(q.scales[~q.scales.isnan()], clean.scales[~q.scales.isnan()])
+    if fast_available():
+        assert _rows_equal(fast.quantize(x, layout, bits, poison=True), q)
+    if fast_available() and dtype == torch.bfloat16:
+        big = BlockLayout((3, *([2047] * 150), 4096 * 80), 4096)
+        xb = torch.randn(1, big.numel, generator=_gen(16)).to(dtype)
+        xb[0, ::100_000] = float("nan")
+        assert _rows_equal(fast.quantize(xb, big, bits, poison=True), spec.quantize(xb, big, bits, poison=True))
+
+
+def test_qgz_step_argument_errors():
+    layout = BlockLayout((10,), 4)
+    q = spec.quantize(torch.randn(4, 10, generator=_gen(17)), layout, 8)
+    for impl in (spec.dequantize_sum, dequantize_sum):
+        with pytest.raises(ValueError, match="pieces"):
+            impl(q, layout, 8, 3)
+        with pytest.raises(ValueError, match="divisor"):
+            impl(q, layout, 8, 2, divisor=0)
+        with pytest.raises(ValueError, match="out"):
+            impl(q, layout, 8, 2, out=torch.empty(10))
+    with pytest.raises(ValueError, match="quantize: out"):
+        dequantize_sum_quantize(q, layout, 8, 2, out=QuantizedRows(torch.empty(1, 10, dtype=torch.uint8),
+                                                                     torch.empty(1, 3)))
+
+
+def test_import_leaves_triton_alone():
+    """``import zeropp`` does not import triton (about half a second): dispatch imports it on a CUDA call."""
+    code = "import sys, zeropp, zeropp.quant; assert 'triton' not in sys.modules, 'triton imported eagerly'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_switch_keeps_cuda_tensors_off_triton(monkeypatch):
+    """ZEROPP_QUANT_TRITON=0: even with a CUDA device, the Triton path is neither imported nor used."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dispatch, "_tried", False)
+    monkeypatch.setattr(dispatch, "_triton", None)
+    monkeypatch.setenv("ZEROPP_QUANT_TRITON", "0")
+    assert not triton_available()
+    assert not dispatch._tried  # not even looked for
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_rows_apart_are_read_and_written_in_place(bits):
+    """Data rows that are each contiguous but sit apart (the data part of a wire buffer whose rows end with
+    scale bytes) are quantized into and read from in place, by every implementation, with the spec's bits."""
+    layout = BlockLayout((7, 0, 33, 5), 8)
+    pb, nb = payload_bytes(layout, bits), layout.num_blocks
+    x = torch.randn(4, layout.numel, generator=_gen(18)).to(torch.bfloat16)
+    want = spec.quantize(x, layout, bits)
+    for impl in (spec, fast):
+        wire = torch.full((4, pb + 4 * nb), 0xAB, dtype=torch.uint8)
+        out = QuantizedRows(wire[:, :pb], torch.empty(4, nb))
+        assert impl.quantize(x, layout, bits, out=out) is out
+        assert torch.equal(wire[:, :pb], want.data) and bool((wire[:, pb:] == 0xAB).all())
+        q = QuantizedRows(wire[:, :pb], want.scales)
+        assert torch.equal(impl.dequantize(q, layout, bits, torch.float32), spec.dequantize(want, layout, bits,
+                                                                                             torch.float32))
+        assert _same_bits(impl.dequantize_sum(q, layout, bits, 2, divisor=4),
+                          spec.dequantize_sum(want, layout, bits, 2, divisor=4))
+        wire2 = torch.full((2, pb + 4 * nb), 0xCD, dtype=torch.uint8)
+        out2 = QuantizedRows(wire2[:, :pb], torch.empty(2, nb))
+        impl.dequantize_sum_quantize(q, layout, bits, 2, out=out2)
+        assert _rows_equal(QuantizedRows(wire2[:, :pb].clone(), out2.scales),
+                           spec.dequantize_sum_quantize(want, layout, bits, 2))
+        assert bool((wire2[:, pb:] == 0xCD).all())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        quantize(x, layout, bits, out=QuantizedRows(torch.empty(pb, 4, dtype=torch.uint8).t(), torch.empty(4, nb)))

@@ -14,7 +14,16 @@ evenly across ranks for all-to-all / all-gather):
 * dequantize: ``q * scale`` in fp32, then cast (round to nearest even) to the requested dtype.
 
 Non-finite input (inf or nan) raises ``NonFiniteInputError`` naming the first offending row and segment; the
-check costs nothing extra because max |x| propagates both.
+check costs nothing extra because max |x| propagates both. With ``poison=True`` a block holding inf/nan instead
+gets a NaN scale, and its codes are those of the block with every non-finite element replaced by 0 (Note
+[non-finite poisoning] in ``plus/wire.py``): the hot path then never waits on the device to learn whether to raise.
+
+qgZ's reduction steps (``dequantize_sum``, ``dequantize_sum_quantize``) are defined here too, with one fixed fp32
+summation order, so that every implementation (C on CPU, Triton on GPU) can match them bit for bit:
+``acc = deq(piece 0); acc = acc + deq(piece 1); ...; acc = acc + deq(piece P-1)`` (left to right, one rounding
+per addition, no fused multiply-add), then optionally ``acc / divisor`` (a true fp32 division by the divisor
+rounded to fp32). Starting from -0.0 (the exact additive identity) gives the same sums as starting from
+``deq(piece 0)``; starting from +0.0 would turn a -0 into +0.
 """
 
 from __future__ import annotations
@@ -25,7 +34,15 @@ import torch
 
 from .layout import BlockLayout, layout_index, payload_bytes
 
-__all__ = ["QMAX", "NonFiniteInputError", "QuantizedRows", "dequantize", "quantize"]
+__all__ = [
+    "QMAX",
+    "NonFiniteInputError",
+    "QuantizedRows",
+    "dequantize",
+    "dequantize_sum",
+    "dequantize_sum_quantize",
+    "quantize",
+]
 
 QMAX = {8: 127, 4: 7}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,16 +115,23 @@ def check_out(out: torch.Tensor, g: int, layout: BlockLayout, dtype: torch.dtype
         )
 
 
+def rows_dense(t: torch.Tensor) -> bool:
+    """True when each row of the 2-D ``t`` is contiguous (rows may sit apart, e.g. the data bytes of a wire
+    buffer whose rows also carry scales): what the kernels can address with one row stride."""
+    return t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
+
+
 def check_quantize_out(out: QuantizedRows, g: int, layout: BlockLayout, bits: int) -> None:
-    """``out`` must hold contiguous uint8 data [G, payload_bytes] and float32 scales [G, num_blocks]."""
+    """``out`` must hold uint8 data [G, payload_bytes] (each row contiguous, rows possibly apart) and
+    contiguous float32 scales [G, num_blocks]."""
     data, scales = out
     pb, nb = payload_bytes(layout, bits), layout.num_blocks
     ok = (data.dtype == torch.uint8 and scales.dtype == torch.float32 and tuple(data.shape) == (g, pb)
-          and tuple(scales.shape) == (g, nb) and data.is_contiguous() and scales.is_contiguous())
+          and tuple(scales.shape) == (g, nb) and rows_dense(data) and scales.is_contiguous())
     if not ok:
         raise ValueError(
-            f"quantize: out must be contiguous uint8 [{g}, {pb}] and float32 [{g}, {nb}], got "
-            f"{data.dtype} {list(data.shape)} and {scales.dtype} {list(scales.shape)}"
+            f"quantize: out must be uint8 [{g}, {pb}] with contiguous rows and contiguous float32 [{g}, {nb}], "
+            f"got {data.dtype} {list(data.shape)} and {scales.dtype} {list(scales.shape)}"
         )
 
 
@@ -148,21 +172,24 @@ def _unpack(data: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     return nib.to(torch.int8) - 8
 
 
-def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None) -> QuantizedRows:
+def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None, *,
+             poison: bool = False) -> QuantizedRows:
     """Block-wise symmetric abs-max quantization of the rows of ``x``.
 
     Args:
         x: [G, numel] or [numel] (one row), float32 / bfloat16 / float16, any device.
         layout: block structure shared by every row.
         bits: 8 (int8) or 4 (int4, two per byte).
-        out: optional preallocated QuantizedRows (e.g. views of a collective's send buffer) to write into;
-            its contents are unspecified if an error is raised.
+        out: optional preallocated QuantizedRows (e.g. views of a collective's send buffer: data rows may be
+            strided) to write into; its contents are unspecified if an error is raised.
+        poison: give blocks holding inf/nan a NaN scale (codes as if those elements were 0) instead of raising.
 
     Returns:
         QuantizedRows(data uint8 [G, payload_bytes(layout, bits)], scales float32 [G, num_blocks]), or ``out``.
 
     Raises:
-        NonFiniteInputError: some element is inf or nan (names the first such row and segment).
+        NonFiniteInputError: some element is inf or nan and ``poison`` is False (names the first such row and
+            segment).
     """
     qmax = check_bits(bits)
     x = as_rows(x, layout).detach()
@@ -171,12 +198,18 @@ def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows
     blocks = _to_blocks(x.float(), layout)
     absmax = blocks.abs().amax(dim=-1)  # [G, nb]; inf and nan propagate
     bad = ~torch.isfinite(absmax)
-    if bool(bad.any()):
+    any_bad = bool(bad.any())
+    if any_bad and not poison:
         raise_non_finite(int(bad.flatten().nonzero()[0]), layout)
+    if any_bad:  # poison: quantize the finite part, then mark the block
+        blocks = torch.where(torch.isfinite(blocks), blocks, torch.zeros((), dtype=blocks.dtype))
+        absmax = blocks.abs().amax(dim=-1)
     # True tensor divisions throughout (a scalar divisor may become a reciprocal multiply on some backends).
     scales = absmax / torch.full_like(absmax, qmax)
     divisor = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero block: 0 / 1 = 0
     codes = torch.round(blocks / divisor.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
+    if any_bad:
+        scales = scales.masked_fill(bad, float("nan"))
     data = _pack(_from_blocks(codes, layout), bits)
     if out is None:
         return QuantizedRows(data.contiguous(), scales.contiguous())
@@ -213,3 +246,63 @@ def dequantize(
     check_out(out, g, layout, dtype)
     out.view(g, layout.numel).copy_(y)
     return out
+
+
+def check_pieces(g: int, pieces: int) -> int:
+    """Rows per piece of a [pieces * R, ...] stack of quantized rows; raise unless ``pieces`` divides G."""
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1 or g % pieces:
+        raise ValueError(f"dequantize_sum: pieces must be a positive int dividing the {g} rows, got {pieces!r}")
+    return g // pieces
+
+
+def check_divisor(divisor: float | None) -> float | None:
+    """The divisor rounded to fp32 (the value every implementation divides by), or None; must be > 0, finite."""
+    if divisor is None:
+        return None
+    d = float(torch.tensor(float(divisor), dtype=torch.float32))
+    if not (d > 0 and d != float("inf")):
+        raise ValueError(f"dequantize_sum: divisor must be a finite number > 0, got {divisor!r}")
+    return d
+
+
+def dequantize_sum(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int, out: torch.Tensor | None = None,
+                   divisor: float | None = None) -> torch.Tensor:
+    """Sum of ``pieces`` stacked pieces of quantized rows, dequantized in fp32: qgZ's reduction after a hop.
+
+    Args:
+        q: QuantizedRows of ``pieces * R`` rows laid out [pieces, R, ...] (piece p's row r is row ``p * R + r``),
+            e.g. what an all-to-all delivers from ``pieces`` senders (the kernels read data rows in place when
+            each row is contiguous, e.g. the data part of the receive buffer).
+        layout, bits: as given to ``quantize``.
+        pieces: how many pieces are summed.
+        out: optional contiguous float32 tensor with R * numel elements (any shape) to write into.
+        divisor: optional number > 0; the sums are divided by it (true fp32 division) at the end, e.g. the
+            world size for a mean.
+
+    Returns:
+        float32 [R, numel]: ``sum_p deq(q)[p * R + r]`` added left to right in fp32 (module docstring), then
+        divided by ``divisor``; or ``out`` when given.
+    """
+    g = check_dequantize_args(q, layout, bits, torch.float32)
+    rows = check_pieces(g, pieces)
+    div = check_divisor(divisor)
+    if out is not None:
+        check_out(out, rows, layout, torch.float32)
+    y = dequantize(q, layout, bits, torch.float32).view(pieces, rows, layout.numel)
+    acc = y[0].clone()
+    for p in range(1, pieces):
+        acc += y[p]
+    if div is not None:
+        acc /= torch.full_like(acc, div)
+    if out is None:
+        return acc
+    out.view(rows, layout.numel).copy_(acc)
+    return out
+
+
+def dequantize_sum_quantize(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int,
+                            out: QuantizedRows | None = None, *, poison: bool = False) -> QuantizedRows:
+    """``quantize(dequantize_sum(q, layout, bits, pieces), layout, bits, out, poison=poison)``: qgZ's middle step
+    (sum what arrived from the node, requantize for the inter-node hop). Blocks whose sum is not finite (a
+    poisoned piece, or an overflow) raise NonFiniteInputError naming the output row, or are poisoned."""
+    return quantize(dequantize_sum(q, layout, bits, pieces), layout, bits, out, poison=poison)

@@ -14,9 +14,14 @@ Bit-identity with the spec rests on: exact IEEE fp32 division (no ``-ffast-math`
 ``rintf`` (round half to even, as ``torch.round``), and the same round-to-nearest-even fp32->bf16/fp16
 conversions as c10. A self-test against the spec runs once after loading; any mismatch disables the path.
 
-Dispatch rule (``quantize`` / ``dequantize`` here, exported by ``zeropp.quant``): the kernel is used for CPU
-tensors of float32 / bfloat16 / float16 when it built and passed its self-test; everything else (CUDA tensors,
-no C compiler, ``ZEROPP_QUANT_FAST=0`` in the environment) goes to the spec. The shared library is cached in
+qgZ's reduction steps (``dequantize_sum``, ``dequantize_sum_quantize``) sum the pieces chunk by chunk in the
+spec's order (left to right, fp32, no FMA) while the running sums sit in L1; the fused step requantizes a
+block straight from those sums (one pass for blocks of up to 2048 elements) without writing them to memory.
+
+Rule for the functions here (``dispatch.py`` calls them for everything but CUDA tensors): the kernel runs for
+CPU tensors of float32 / bfloat16 / float16 when it built and passed its self-test; everything else (no C
+compiler, ``ZEROPP_QUANT_FAST=0`` in the environment) goes to the spec. Data rows may sit apart (each row
+contiguous, e.g. the data part of a wire buffer): the kernel takes a row stride. The shared library is cached in
 ``$ZEROPP_CACHE_DIR``, else ``$XDG_CACHE_HOME/zeropp`` / ``~/.cache/zeropp``, keyed by a hash of the source,
 flags and CPU, and written atomically so concurrent ranks may race to build it safely.
 """
@@ -36,7 +41,7 @@ from . import blockwise as spec
 from .blockwise import QuantizedRows
 from .layout import BlockLayout, layout_index, payload_bytes
 
-__all__ = ["dequantize", "fast_available", "quantize"]
+__all__ = ["dequantize", "dequantize_sum", "dequantize_sum_quantize", "fast_available", "quantize"]
 
 _C_SOURCE = r"""
 #include <math.h>
@@ -65,42 +70,69 @@ static void codes_##SUF(const T* x, int64_t n, float div, float qmax, int8_t* ou
     for (int64_t k = 0; k < n; k++) out[k] = qcode(LOADF(x[k]), div, qmax);                          \
 }
 
-/* Per input dtype: block abs-max on bit patterns (inf/nan have all exponent bits set) and code emission. */
+/* Per input dtype: code emission, the poisoned-block path and the block quantizer (max |x| on bit patterns:
+   inf/nan have all exponent bits set). xb points at row element s throughout. */
 #define DEFINE_QUANT(SUF, T, UT, ABSMASK, INFBITS, LOADF, ABS2F)                                      \
 DEFINE_CODES(SUF, T, LOADF)                                                                          \
-static int quant_block_##SUF(const T* xr, int64_t s, int64_t e, int bits, float qmax, uint8_t* dr,   \
-                             float* scale_out) {                                                     \
-    const UT* ur = (const UT*)xr;                                                                    \
-    UT m = 0;                                                                                        \
-    for (int64_t i = s; i < e; i++) { UT a = ur[i] & ABSMASK; m = a > m ? a : m; }                    \
-    if (m >= INFBITS) return 1;                                                                      \
-    float scale = ABS2F(m) / qmax;                                                                   \
-    float div = scale == 0.0f ? 1.0f : scale;                                                        \
-    *scale_out = scale;                                                                              \
+static void emit_##SUF(const T* xb, int64_t s, int64_t e, int bits, float div, float qmax, uint8_t* dr) {\
     if (bits == 8) {                                                                                 \
-        codes_##SUF(xr + s, e - s, div, qmax, (int8_t*)(dr + s));                                    \
-        return 0;                                                                                    \
+        codes_##SUF(xb, e - s, div, qmax, (int8_t*)(dr + s));                                        \
+        return;                                                                                      \
     }                                                                                                \
     int64_t i = s;                                                                                   \
-    if (i & 1) { /* high nibble of a byte whose low nibble the previous block wrote */               \
-        dr[i >> 1] |= (uint8_t)((qcode(LOADF(xr[i]), div, qmax) + 8) << 4);                          \
+    if (i & 1) { /* high nibble of a byte whose low nibble the previous block (or chunk) wrote */    \
+        dr[i >> 1] |= (uint8_t)((qcode(LOADF(xb[0]), div, qmax) + 8) << 4);                         \
         i++;                                                                                         \
     }                                                                                                \
     int8_t tmp[CH];                                                                                  \
     while (i < e) {                                                                                  \
         int64_t n = e - i < CH ? e - i : CH, np = n >> 1;                                            \
-        codes_##SUF(xr + i, n, div, qmax, tmp);                                                      \
+        codes_##SUF(xb + (i - s), n, div, qmax, tmp);                                                \
         uint8_t* o = dr + (i >> 1);                                                                  \
         for (int64_t k = 0; k < np; k++)                                                             \
             o[k] = (uint8_t)((uint8_t)(tmp[2 * k] + 8) | (uint8_t)((tmp[2 * k + 1] + 8) << 4));      \
         if (n & 1) o[np] = (uint8_t)(tmp[n - 1] + 8); /* high nibble: next block or row padding */   \
         i += n;                                                                                      \
     }                                                                                                \
+}                                                                                                    \
+/* Poisoned block: codes of the block with its non-finite elements as 0, scale NaN. */              \
+static void poison_block_##SUF(const T* xb, int64_t s, int64_t e, int bits, float qmax, uint8_t* dr,  \
+                               float* scale_out) {                                                   \
+    const UT* ub = (const UT*)xb;                                                                    \
+    UT m = 0;                                                                                        \
+    for (int64_t k = 0; k < e - s; k++) { UT a = ub[k] & ABSMASK; if (a < INFBITS && a > m) m = a; } \
+    float scale = ABS2F(m) / qmax;                                                                   \
+    float div = scale == 0.0f ? 1.0f : scale;                                                        \
+    float tmp[CH];                                                                                   \
+    for (int64_t i = s; i < e; i += CH) {                                                            \
+        int64_t n = e - i < CH ? e - i : CH;                                                         \
+        for (int64_t k = 0; k < n; k++)                                                              \
+            tmp[k] = (ub[i - s + k] & ABSMASK) < INFBITS ? LOADF(xb[i - s + k]) : 0.0f;              \
+        emit_f32(tmp, i, i + n, bits, div, qmax, dr);                                                \
+    }                                                                                                \
+    *scale_out = u2f(QNAN_BITS);                                                                     \
+}                                                                                                    \
+/* Returns 1 (nothing written) for a block holding inf/nan unless poison is set. */                  \
+static int quant_block_##SUF(const T* xb, int64_t s, int64_t e, int bits, float qmax, int poison,     \
+                             uint8_t* dr, float* scale_out) {                                        \
+    const UT* ub = (const UT*)xb;                                                                    \
+    UT m = 0;                                                                                        \
+    for (int64_t k = 0; k < e - s; k++) { UT a = ub[k] & ABSMASK; m = a > m ? a : m; }                \
+    if (m >= INFBITS) {                                                                              \
+        if (!poison) return 1;                                                                       \
+        poison_block_##SUF(xb, s, e, bits, qmax, dr, scale_out);                                     \
+        return 0;                                                                                    \
+    }                                                                                                \
+    float scale = ABS2F(m) / qmax;                                                                   \
+    float div = scale == 0.0f ? 1.0f : scale;                                                        \
+    *scale_out = scale;                                                                              \
+    emit_##SUF(xb, s, e, bits, div, qmax, dr);                                                       \
     return 0;                                                                                        \
 }
 
 #define ID(v) (v)
 #define BF2F(v) u2f((uint32_t)(v) << 16)
+#define QNAN_BITS 0x7FC00000u /* the NaN torch writes for float("nan") */
 DEFINE_QUANT(f32, float, uint32_t, 0x7FFFFFFFu, 0x7F800000u, ID, u2f)
 DEFINE_QUANT(bf16, uint16_t, uint16_t, 0x7FFFu, 0x7F80u, BF2F, BF2F)
 DEFINE_QUANT(f16, uint16_t, uint16_t, 0x7FFFu, 0x7C00u, h2f, h2f)
@@ -131,10 +163,14 @@ DEFINE_DEQUANT(f32, float, ID)
 DEFINE_DEQUANT(bf16, uint16_t, f2bf)
 DEFINE_DEQUANT(f16, uint16_t, f2h)
 
+/* payload: the row stride (bytes) of data; rows are contiguous but may sit apart (a wire buffer's data part). */
 typedef struct {
     const void* x; void* y; uint8_t* data; float* scales;
     int dt, bits; int64_t numel, nb, payload; const int64_t* starts;
     int64_t g0, g1, bad;
+    int poison;
+    /* qgZ sums: data/scales hold pieces * rows input rows; out_* the requantized rows */
+    int64_t pieces, rows; float divisor; int has_div; uint8_t* out_data; float* out_scales; int64_t out_payload;
 } job_t;
 
 static void* quant_worker(void* p) {
@@ -146,11 +182,14 @@ static void* quant_worker(void* p) {
         uint8_t* dr = j->data + r * j->payload;
         int bad;
         if (j->dt == DT_F32)
-            bad = quant_block_f32((const float*)j->x + r * j->numel, s, e, j->bits, qmax, dr, j->scales + g);
+            bad = quant_block_f32((const float*)j->x + r * j->numel + s, s, e, j->bits, qmax, j->poison, dr,
+                                  j->scales + g);
         else if (j->dt == DT_BF16)
-            bad = quant_block_bf16((const uint16_t*)j->x + r * j->numel, s, e, j->bits, qmax, dr, j->scales + g);
+            bad = quant_block_bf16((const uint16_t*)j->x + r * j->numel + s, s, e, j->bits, qmax, j->poison, dr,
+                                   j->scales + g);
         else
-            bad = quant_block_f16((const uint16_t*)j->x + r * j->numel, s, e, j->bits, qmax, dr, j->scales + g);
+            bad = quant_block_f16((const uint16_t*)j->x + r * j->numel + s, s, e, j->bits, qmax, j->poison, dr,
+                                  j->scales + g);
         if (bad) { j->bad = g; break; }
     }
     return NULL;
@@ -165,6 +204,93 @@ static void* dequant_worker(void* p) {
         if (j->dt == DT_F32) dequant_block_f32(dr, s, e, j->bits, sc, (float*)j->y + r * j->numel);
         else if (j->dt == DT_BF16) dequant_block_bf16(dr, s, e, j->bits, sc, (uint16_t*)j->y + r * j->numel);
         else dequant_block_f16(dr, s, e, j->bits, sc, (uint16_t*)j->y + r * j->numel);
+    }
+    return NULL;
+}
+
+/* int4 codes of row elements [s, e) (at most CH) of payload row dr into c[0 .. e - s). */
+static void codes4(const uint8_t* dr, int64_t s, int64_t e, int8_t* c) {
+    int64_t i = s, k = 0;
+    if (i & 1) { c[k++] = (int8_t)((dr[i >> 1] >> 4) - 8); i++; }
+    const uint8_t* d = dr + (i >> 1);
+    int64_t np = (e - i) >> 1;
+    for (int64_t m = 0; m < np; m++) {
+        c[k + 2 * m] = (int8_t)((d[m] & 15) - 8);
+        c[k + 2 * m + 1] = (int8_t)((d[m] >> 4) - 8);
+    }
+    if (i + 2 * np < e) c[k + 2 * np] = (int8_t)((d[np] & 15) - 8);
+}
+
+/* acc[k] = sum over pieces p of deq(input row p * rows + r)[s + k], in block b: the first piece assigned, the
+   others added left to right, one rounding per product and per addition (no FMA: -ffp-contract=off).
+   Chunk by chunk, all pieces per chunk, so the running sums stay in L1. */
+static void sum_range(const job_t* j, int64_t r, int64_t b, int64_t s, int64_t e, float* acc) {
+    int8_t tmp[CH];
+    for (int64_t c0 = s; c0 < e; c0 += CH) {
+        int64_t n = e - c0 < CH ? e - c0 : CH;
+        float* a = acc + (c0 - s);
+        for (int64_t p = 0; p < j->pieces; p++) {
+            int64_t row = p * j->rows + r;
+            const uint8_t* dr = j->data + row * j->payload;
+            float sc = j->scales[row * j->nb + b];
+            const int8_t* c = (const int8_t*)dr + c0;
+            if (j->bits == 4) { codes4(dr, c0, c0 + n, tmp); c = tmp; }
+            if (p == 0) for (int64_t k = 0; k < n; k++) a[k] = (float)c[k] * sc;
+            else for (int64_t k = 0; k < n; k++) a[k] = a[k] + (float)c[k] * sc;
+        }
+    }
+}
+
+static void* sum_worker(void* p) {
+    job_t* j = (job_t*)p;
+    for (int64_t g = j->g0; g < j->g1; g++) {
+        int64_t r = g / j->nb, b = g % j->nb, s = j->starts[b], e = j->starts[b + 1];
+        float* acc = (float*)j->y + r * j->numel + s;
+        sum_range(j, r, b, s, e, acc);
+        if (j->has_div)
+            for (int64_t k = 0; k < e - s; k++) acc[k] = acc[k] / j->divisor;
+    }
+    return NULL;
+}
+
+/* Sum then requantize one block. A block of at most CH elements (the usual case) is summed once into a stack
+   buffer; a longer one in two passes over CH-element chunks (the second recomputes the sums), which keeps
+   everything on the stack for any block size. Pass 1 finds max |sum| and whether any sum is inf/nan. */
+static int sum_quant_block(const job_t* j, int64_t r, int64_t b, int64_t s, int64_t e, float qmax) {
+    float tmp[CH];
+    uint32_t m = 0, mf = 0;
+    for (int64_t i = s; i < e; i += CH) {
+        int64_t n = e - i < CH ? e - i : CH;
+        sum_range(j, r, b, i, i + n, tmp);
+        for (int64_t k = 0; k < n; k++) {
+            uint32_t a = f2u(tmp[k]) & 0x7FFFFFFFu;
+            m = a > m ? a : m;
+            mf = a < 0x7F800000u && a > mf ? a : mf;
+        }
+    }
+    int bad = m >= 0x7F800000u;
+    if (bad && !j->poison) return 1;
+    float scale = u2f(mf) / qmax;
+    float div = scale == 0.0f ? 1.0f : scale;
+    uint8_t* dr = j->out_data + r * j->out_payload;
+    j->out_scales[r * j->nb + b] = bad ? u2f(QNAN_BITS) : scale;
+    for (int64_t i = s; i < e; i += CH) {
+        int64_t n = e - i < CH ? e - i : CH;
+        if (e - s > CH) sum_range(j, r, b, i, i + n, tmp);
+        if (bad)
+            for (int64_t k = 0; k < n; k++) tmp[k] = (f2u(tmp[k]) & 0x7FFFFFFFu) < 0x7F800000u ? tmp[k] : 0.0f;
+        emit_f32(tmp, i, i + n, j->bits, div, qmax, dr);
+    }
+    return 0;
+}
+
+static void* sum_quant_worker(void* p) {
+    job_t* j = (job_t*)p;
+    float qmax = j->bits == 8 ? 127.0f : 7.0f;
+    j->bad = -1;
+    for (int64_t g = j->g0; g < j->g1; g++) {
+        int64_t r = g / j->nb, b = g % j->nb;
+        if (sum_quant_block(j, r, b, j->starts[b], j->starts[b + 1], qmax)) { j->bad = g; break; }
     }
     return NULL;
 }
@@ -238,19 +364,38 @@ static int64_t run(job_t* base, int nt, int even_splits, void* (*fn)(void*)) {
     return w.bad;
 }
 
-int zq_abi(void) { return 1; }
+int zq_abi(void) { return 3; }
 
-/* Returns -1, or the row-major index (row * nb + block) of the first block holding inf/nan. */
+/* Returns -1, or the row-major index (row * nb + block) of the first block holding inf/nan (never with poison). */
 int64_t zq_quantize(const void* x, int dt, int64_t G, int64_t numel, const int64_t* starts, int64_t nb, int bits,
-                    uint8_t* data, int64_t payload, float* scales, int nthreads) {
-    job_t j = {x, NULL, data, scales, dt, bits, numel, nb, payload, starts, 0, G * nb, -1};
+                    uint8_t* data, int64_t payload, float* scales, int poison, int nthreads) {
+    job_t j = {x, NULL, data, scales, dt, bits, numel, nb, payload, starts, 0, G * nb, -1, poison};
     return run(&j, nthreads, bits == 4, quant_worker);
 }
 
 void zq_dequantize(const uint8_t* data, const float* scales, int64_t G, int64_t numel, const int64_t* starts,
                    int64_t nb, int bits, int64_t payload, void* y, int dt, int nthreads) {
-    job_t j = {NULL, y, (uint8_t*)data, (float*)scales, dt, bits, numel, nb, payload, starts, 0, G * nb, -1};
+    job_t j = {NULL, y, (uint8_t*)data, (float*)scales, dt, bits, numel, nb, payload, starts, 0, G * nb, -1, 0};
     run(&j, nthreads, 0, dequant_worker);
+}
+
+/* y [R, numel] fp32 = sum over pieces of the dequantized rows [pieces, R] (divided by divisor when has_div). */
+void zq_dequantize_sum(const uint8_t* data, const float* scales, int64_t pieces, int64_t R, int64_t numel,
+                       const int64_t* starts, int64_t nb, int bits, int64_t payload, float* y, int has_div,
+                       float divisor, int nthreads) {
+    job_t j = {NULL, y, (uint8_t*)data, (float*)scales, DT_F32, bits, numel, nb, payload, starts, 0, R * nb, -1, 0,
+               pieces, R, divisor, has_div, NULL, NULL, 0};
+    run(&j, nthreads, 0, sum_worker);
+}
+
+/* The sums above (no divisor) requantized into out_data / out_scales; returns as zq_quantize. */
+int64_t zq_dequantize_sum_quantize(const uint8_t* data, const float* scales, int64_t pieces, int64_t R,
+                                   int64_t numel, const int64_t* starts, int64_t nb, int bits, int64_t payload,
+                                   uint8_t* out_data, int64_t out_payload, float* out_scales, int poison,
+                                   int nthreads) {
+    job_t j = {NULL, NULL, (uint8_t*)data, (float*)scales, DT_F32, bits, numel, nb, payload, starts, 0, R * nb, -1,
+               poison, pieces, R, 1.0f, 0, out_data, out_scales, out_payload};
+    return run(&j, nthreads, bits == 4, sum_quant_worker);
 }
 """
 
@@ -279,12 +424,18 @@ def _load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(so)
         except OSError:
             continue
-        if lib.zq_abi() != 1:
+        if lib.zq_abi() != 3:
             continue
         lib.zq_quantize.restype = i64
-        lib.zq_quantize.argtypes = [ptr, i32, i64, i64, ptr, i64, i32, ptr, i64, ptr, i32]
+        lib.zq_quantize.argtypes = [ptr, i32, i64, i64, ptr, i64, i32, ptr, i64, ptr, i32, i32]
         lib.zq_dequantize.restype = None
         lib.zq_dequantize.argtypes = [ptr, ptr, i64, i64, ptr, i64, i32, i64, ptr, i32, i32]
+        lib.zq_dequantize_sum.restype = None
+        lib.zq_dequantize_sum.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i32, i64, ptr, i32,
+                                          ctypes.c_float, i32]
+        lib.zq_dequantize_sum_quantize.restype = i64
+        lib.zq_dequantize_sum_quantize.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i32, i64, ptr, i64, ptr, i32,
+                                                   i32]
         return lib
     return None
 
@@ -293,17 +444,25 @@ def _self_test() -> bool:
     """Compare against the spec on a small multi-segment case (odd starts, short blocks, zero segment)."""
     gen = torch.Generator().manual_seed(0)
     layout = BlockLayout((5, 0, 67, 32, 1, 4000), 16)
-    x = torch.randn(3, layout.numel, generator=gen) * torch.logspace(-3, 3, layout.numel)
+    x = torch.randn(4, layout.numel, generator=gen) * torch.logspace(-3, 3, layout.numel)
     x[1, 5:72] = 0.0
     for dtype in _DTYPE_CODE:
         xd = x.to(dtype)
         for bits in (8, 4):
-            a, b = _quantize_c(xd, layout, bits, None), spec.quantize(xd, layout, bits)
+            a, b = _quantize_c(xd, layout, bits, None, False), spec.quantize(xd, layout, bits)
             if not (torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales)):
                 return False
             for out_dtype in _DTYPE_CODE:
                 if not torch.equal(_dequantize_c(b, layout, bits, out_dtype, None),
                                    spec.dequantize(b, layout, bits, out_dtype)):
+                    return False
+            if dtype == torch.float32:
+                if not torch.equal(_dequantize_sum_c(b, layout, bits, 2, None, 3.0),
+                                   spec.dequantize_sum(b, layout, bits, 2, divisor=3.0)):
+                    return False
+                c = _sum_quantize_c(b, layout, bits, 2, None, False)
+                d = spec.dequantize_sum_quantize(b, layout, bits, 2)
+                if not (torch.equal(c.data, d.data) and torch.equal(c.scales, d.scales)):
                     return False
     return True
 
@@ -342,19 +501,26 @@ def _starts(layout: BlockLayout) -> torch.Tensor:
     return layout_index(layout, torch.device("cpu")).block_starts
 
 
-def _quantize_c(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None) -> QuantizedRows:
+def _dense_rows(data: torch.Tensor) -> torch.Tensor:
+    """``data`` itself when the kernel can address it by one row stride (rows in place), else a copy."""
+    return data if spec.rows_dense(data) else data.contiguous()
+
+
+def _empty_rows(g: int, layout: BlockLayout, bits: int) -> QuantizedRows:
+    return QuantizedRows(torch.empty(g, payload_bytes(layout, bits), dtype=torch.uint8),
+                         torch.empty(g, layout.num_blocks, dtype=torch.float32))
+
+
+def _quantize_c(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None,
+                poison: bool) -> QuantizedRows:
     x = x.detach().contiguous()
-    g, nb, pb = x.shape[0], layout.num_blocks, payload_bytes(layout, bits)
-    if out is None:
-        data = torch.empty(g, pb, dtype=torch.uint8)
-        scales = torch.empty(g, nb, dtype=torch.float32)
-    else:
-        data, scales = out
+    g, nb = x.shape[0], layout.num_blocks
+    data, scales = _empty_rows(g, layout, bits) if out is None else out
     if g * nb == 0:
         return QuantizedRows(data, scales)
     starts = _starts(layout)
     bad = _lib.zq_quantize(x.data_ptr(), _DTYPE_CODE[x.dtype], g, layout.numel, starts.data_ptr(), nb, bits,
-                           data.data_ptr(), pb, scales.data_ptr(), _threads(x.numel()))
+                           data.data_ptr(), data.stride(0), scales.data_ptr(), int(poison), _threads(x.numel()))
     if bad >= 0:
         spec.raise_non_finite(bad, layout)
     return QuantizedRows(data, scales) if out is None else out
@@ -366,23 +532,58 @@ def _dequantize_c(q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch
     y = torch.empty(g, layout.numel, dtype=dtype) if out is None else out
     if g * layout.num_blocks == 0:
         return y
-    data, scales = q.data.contiguous(), q.scales.contiguous()
+    data, scales = _dense_rows(q.data), q.scales.contiguous()
     _lib.zq_dequantize(data.data_ptr(), scales.data_ptr(), g, layout.numel, _starts(layout).data_ptr(),
-                       layout.num_blocks, bits, data.shape[1], y.data_ptr(), _DTYPE_CODE[dtype],
+                       layout.num_blocks, bits, data.stride(0), y.data_ptr(), _DTYPE_CODE[dtype],
                        _threads(y.numel()))
     return y
 
 
-def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None) -> QuantizedRows:
+def _dequantize_sum_c(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int, out: torch.Tensor | None,
+                      divisor: float | None) -> torch.Tensor:
+    rows = q.data.shape[0] // pieces
+    y = torch.empty(rows, layout.numel, dtype=torch.float32) if out is None else out
+    if rows * layout.num_blocks == 0:
+        return y
+    data, scales = _dense_rows(q.data), q.scales.contiguous()
+    _lib.zq_dequantize_sum(data.data_ptr(), scales.data_ptr(), pieces, rows, layout.numel,
+                           _starts(layout).data_ptr(), layout.num_blocks, bits, data.stride(0), y.data_ptr(),
+                           int(divisor is not None), 1.0 if divisor is None else divisor,
+                           _threads(q.data.shape[0] * layout.numel))
+    return y
+
+
+def _sum_quantize_c(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int, out: QuantizedRows | None,
+                    poison: bool) -> QuantizedRows:
+    rows = q.data.shape[0] // pieces
+    res = _empty_rows(rows, layout, bits) if out is None else out
+    if rows * layout.num_blocks == 0:
+        return res
+    data, scales = _dense_rows(q.data), q.scales.contiguous()
+    bad = _lib.zq_dequantize_sum_quantize(data.data_ptr(), scales.data_ptr(), pieces, rows, layout.numel,
+                                          _starts(layout).data_ptr(), layout.num_blocks, bits, data.stride(0),
+                                          res.data.data_ptr(), res.data.stride(0), res.scales.data_ptr(),
+                                          int(poison), _threads(q.data.shape[0] * layout.numel))
+    if bad >= 0:
+        spec.raise_non_finite(bad, layout)
+    return res
+
+
+def _all_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
+def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None, *,
+             poison: bool = False) -> QuantizedRows:
     """Same contract as ``blockwise.quantize``; uses the C kernel for CPU inputs when available."""
     spec.check_bits(bits)
     rows = spec.as_rows(x, layout)
     if out is not None:
         spec.check_quantize_out(out, rows.shape[0], layout, bits)
-    on_cpu = rows.device.type == "cpu" and (out is None or (out.data.is_cpu and out.scales.is_cpu))
+    on_cpu = _all_cpu(rows, *(out if out is not None else ()))
     if not on_cpu or not fast_available():
-        return spec.quantize(x, layout, bits, out)
-    return _quantize_c(rows, layout, bits, out)
+        return spec.quantize(x, layout, bits, out, poison=poison)
+    return _quantize_c(rows, layout, bits, out, poison)
 
 
 def dequantize(q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch.dtype,
@@ -391,7 +592,32 @@ def dequantize(q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch.dt
     g = spec.check_dequantize_args(q, layout, bits, dtype)
     if out is not None:
         spec.check_out(out, g, layout, dtype)
-    on_cpu = q.data.device.type == "cpu" and q.scales.device.type == "cpu"
-    if not on_cpu or (out is not None and out.device.type != "cpu") or not fast_available():
+    if not _all_cpu(q.data, q.scales, out) or not fast_available():
         return spec.dequantize(q, layout, bits, dtype, out)
     return _dequantize_c(q, layout, bits, dtype, out)
+
+
+def dequantize_sum(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int, out: torch.Tensor | None = None,
+                   divisor: float | None = None) -> torch.Tensor:
+    """Same contract as ``blockwise.dequantize_sum``; uses the C kernel for CPU inputs when available."""
+    g = spec.check_dequantize_args(q, layout, bits, torch.float32)
+    rows = spec.check_pieces(g, pieces)
+    div = spec.check_divisor(divisor)
+    if out is not None:
+        spec.check_out(out, rows, layout, torch.float32)
+    if not _all_cpu(q.data, q.scales, out) or not fast_available():
+        return spec.dequantize_sum(q, layout, bits, pieces, out, divisor)
+    return _dequantize_sum_c(q, layout, bits, pieces, out, div)
+
+
+def dequantize_sum_quantize(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int,
+                            out: QuantizedRows | None = None, *, poison: bool = False) -> QuantizedRows:
+    """Same contract as ``blockwise.dequantize_sum_quantize``; one fused C pass for CPU inputs when available."""
+    g = spec.check_dequantize_args(q, layout, bits, torch.float32)
+    rows = spec.check_pieces(g, pieces)
+    if out is not None:
+        spec.check_quantize_out(out, rows, layout, bits)
+    on_cpu = _all_cpu(q.data, q.scales, *(out if out is not None else ()))
+    if not on_cpu or not fast_available():
+        return spec.dequantize_sum_quantize(q, layout, bits, pieces, out, poison=poison)
+    return _sum_quantize_c(q, layout, bits, pieces, out, poison)
