@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropp.plus.wire import first_poisoned, pack, quantize_poisoning, unpack
+from zeropp.plus.wire import WireFormat, decode_rows, encode_rows, first_poisoned, pack, quantize_poisoning, unpack
 from zeropp.quant import BlockLayout, NonFiniteInputError, QuantizedRows, dequantize, payload_bytes, quantize
 
 # segments chosen to give odd payloads (int8 odd numel, int4 odd ceil(numel/2)) and short last blocks
@@ -176,3 +176,68 @@ def test_first_poisoned_skips_empty_segments() -> None:
     s = torch.ones(1, 2)
     s[0, 1] = float("nan")
     assert first_poisoned(s, layout) == (0, 2)
+
+
+# ---------------------------------------------------------------------------------------------- hot path
+def _garbage(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused buffer's leftovers: whatever the previous user wrote (here: random bytes)."""
+    t = torch.empty(*shape, dtype=dtype)
+    t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+    return t
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_rows_writes_the_bytes_of_pack(layout: BlockLayout, bits: int, dtype: torch.dtype) -> None:
+    """Quantizing straight into a reused packed buffer gives pack(quantize(...))'s bytes, any alignment, from
+    rows that are views of another tensor (qgZ encodes bucket rows in reordered order)."""
+    fmt = WireFormat(layout, bits)
+    x = _x(4, layout, seed=7, dtype=dtype)
+    order = [2, 0, 3, 1]
+    wire = _garbage(4, fmt.row_bytes, dtype=torch.uint8)
+    encode_rows(fmt, [x[i] for i in order], wire, _garbage(4, layout.num_blocks, dtype=torch.float32))
+    assert fmt.payload == payload_bytes(layout, bits) and fmt.row_bytes == fmt.payload + 4 * layout.num_blocks
+    assert torch.equal(wire, pack(quantize(x[order], layout, bits)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_equals_dequantize_of_unpack(layout: BlockLayout, bits: int, dtype: torch.dtype) -> None:
+    fmt = WireFormat(layout, bits)
+    wire = pack(quantize(_x(3, layout, seed=8), layout, bits))
+    out = _garbage(3, layout.numel, dtype=dtype)
+    scales = _garbage(3, layout.num_blocks, dtype=torch.float32)
+    decode_rows(fmt, wire, dtype, out, scales)
+    q = unpack(wire, fmt.payload)
+    assert _bits_equal(out, dequantize(q, layout, bits, dtype))
+    assert _bits_equal(scales, q.scales)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_encode_rows_poisons_into_the_buffer(bits: int) -> None:
+    """Note [non-finite poisoning] holds on the hot path: a NaN-scaled block in the packed row, the same
+    bytes as the allocating path, and the receiver finds the row and segment."""
+    layout = BlockLayout((3, 4, 7), 4)
+    fmt = WireFormat(layout, bits)
+    x = _x(2, layout, seed=9)
+    x[1, 5] = float("nan")
+    wire = _garbage(2, fmt.row_bytes, dtype=torch.uint8)
+    encode_rows(fmt, [x[0], x[1]], wire, _garbage(2, layout.num_blocks, dtype=torch.float32))
+    assert torch.equal(wire, pack(quantize_poisoning(x, layout, bits)))
+    out, scales = torch.empty(2, layout.numel), torch.empty(2, layout.num_blocks)
+    decode_rows(fmt, wire, torch.float32, out, scales)
+    assert first_poisoned(scales, layout) == (1, 1)
+    assert torch.isnan(out[1, 3:7]).all() and not torch.isnan(out[0]).any()
+
+
+def test_quantize_poisoning_into_out_is_the_allocating_result() -> None:
+    layout = BlockLayout((5, 6), 4)
+    x = _x(2, layout, seed=10)
+    x[0, 0] = float("inf")
+    want = quantize_poisoning(x, layout, 8)
+    out = QuantizedRows(_garbage(2, payload_bytes(layout, 8), dtype=torch.uint8),
+                        _garbage(2, layout.num_blocks, dtype=torch.float32))
+    got = quantize_poisoning(x, layout, 8, out)
+    assert got is out and _bits_equal(got.data, want.data) and _bits_equal(got.scales, want.scales)

@@ -70,6 +70,10 @@ class Handle:
             if self.clock is not None:
                 self.clock.finished(start, time.perf_counter())
 
+    def is_done(self) -> bool:
+        """True once the collective has completed (or failed: ``wait`` then raises); never blocks."""
+        return self.work is None or bool(self.work.is_completed())
+
 
 @dataclass
 class _Clock:

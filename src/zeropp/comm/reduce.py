@@ -5,27 +5,48 @@ The reduce-scatter is built from one all-to-all plus a local fp32 sum.
 gloo's own reduce_scatter moves as many bytes as an all-reduce (twice the ring optimum; see
 shared/NETSIM.md), which would handicap the ZeRO-3 baseline. An all-to-all sends each rank exactly the
 rows it owns, (W-1)/W of the bucket per rank, and summing in fp32 avoids 16-bit accumulation error.
+The receive rows, their fp32 copy and the result row come from pools (Note [buffer pool] in
+``comm/buffers.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from zeropp.comm.buffers import BufferPools
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm, Handle
 
 
-@dataclass
 class _PendingSum:
-    received: torch.Tensor
-    handle: Handle
-    world: int
+    def __init__(self, pools: BufferPools, received: torch.Tensor, handle: Handle, world: int) -> None:
+        self.pools, self.received, self.handle, self.world = pools, received, handle, world
+        self.result: Optional[torch.Tensor] = None
 
     def finish(self) -> torch.Tensor:
+        if self.result is not None:
+            return self.result
         self.handle.wait()
-        return self.received.float().sum(dim=0).div_(self.world)
+        w, length = self.received.shape
+        summed = self.received
+        if summed.dtype != torch.float32:
+            summed = self.pools["fp32"].take(w * length, torch.float32, summed.device).view(w, length)
+            summed.copy_(self.received)
+        self.result = self.pools["result"].take(length, torch.float32, summed.device)
+        torch.sum(summed, dim=0, out=self.result).div_(self.world)
+        if summed is not self.received:
+            self.pools["fp32"].give(summed)
+        self.pools["recv"].give(self.received)
+        return self.result
+
+    def progress(self) -> None:
+        pass
+
+    def recycle(self) -> None:
+        if self.result is not None:
+            self.pools["result"].give(self.result)
+            self.result = None
 
 
 class AllToAllReduceScatter:
@@ -33,30 +54,42 @@ class AllToAllReduceScatter:
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
+        self.pools = BufferPools("reduce", "recv", "fp32", "result")
 
     def start(self, bucket: torch.Tensor, segments: Sequence[int]) -> _PendingSum:
         world = self.comm.topo.world
-        received = torch.empty_like(bucket)
+        received = self.pools["recv"].take(bucket.numel(), bucket.dtype, bucket.device).view(bucket.shape)
         handle = self.comm.all_to_all(received, bucket, world, Phase.GRAD_REDUCE, async_op=True)
-        return _PendingSum(received, handle, world.size)
+        return _PendingSum(self.pools, received, handle, world.size)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return self.pools.buffer_bytes()
 
 
-@dataclass
 class _PendingMean:
-    summed: torch.Tensor
-    handle: Handle
-    world: int
+    def __init__(self, summed: torch.Tensor, handle: Handle, world: int) -> None:
+        self.summed, self.handle, self.world = summed, handle, world
 
     def finish(self) -> torch.Tensor:
         self.handle.wait()
-        return self.summed[0].div_(self.world)
+        if self.world:  # divide once, however often finish is called
+            self.summed[0].div_(self.world)
+            self.world = 0
+        return self.summed[0]
+
+    def progress(self) -> None:
+        pass
+
+    def recycle(self) -> None:
+        pass
 
 
 class AllReduceMean:
     """Stage 0: every rank keeps whole gradients, so a ``[1, L]`` bucket is all-reduced (in fp32) and averaged.
 
     Summing in fp32 costs twice the bytes of a 16-bit all-reduce but matches the fp32 sum of the other
-    reductions; stage 0 is the plain-data-parallel reference point, not a bandwidth saver.
+    reductions; stage 0 is the plain-data-parallel reference point, not a bandwidth saver. It reduces in
+    place in the bucket (or its fp32 copy) and owns no buffer.
     """
 
     def __init__(self, comm: Comm) -> None:
@@ -66,3 +99,6 @@ class AllReduceMean:
         summed = bucket.float()
         handle = self.comm.all_reduce(summed, self.comm.topo.world, Phase.GRAD_REDUCE, async_op=True)
         return _PendingMean(summed, handle, self.comm.topo.world_size)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return {}

@@ -1,6 +1,9 @@
 """The interfaces a stage-3 engine is handed: how to gather a unit's weights and how to reduce gradients.
 
 The engine never asks which ZeRO++ technique is on; ``zeropp.api.initialize`` picks the strategies.
+
+Buffers a strategy hands out (the gathered rows, the reduced row) belong to it and are reused for later
+units once the caller says it is done with them (``recycle``; Note [buffer pool] in ``comm/buffers.py``).
 """
 from __future__ import annotations
 
@@ -15,7 +18,16 @@ from zeropp.partition.unit import Unit
 
 class PendingGather(Protocol):
     def finish(self) -> tuple[torch.Tensor, RowLayout]:
-        """Wait; return the gathered ``[G, layout.numel]`` rows (compute dtype) and their layout."""
+        """Wait; return the gathered ``[G, layout.numel]`` rows (compute dtype) and their layout.
+
+        The rows stay valid until :meth:`recycle`; copy out what must live longer.
+        """
+
+    def recycle(self) -> None:
+        """The caller is done with the rows ``finish`` returned: the strategy may reuse their memory.
+
+        Never calling it is safe (the buffer is then never reused); calling it before ``finish`` is a no-op.
+        """
 
 
 class GatherStrategy(Protocol):
@@ -28,10 +40,25 @@ class GatherStrategy(Protocol):
     def held_tensors(self) -> list[torch.Tensor]:
         """Model-state tensors the strategy keeps between steps (hpZ's secondary copies), for accounting."""
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of the temporary buffers (wire, receive, output rows) the strategy owns now, by name."""
+
 
 class PendingReduce(Protocol):
     def finish(self) -> torch.Tensor:
-        """Wait; return this rank's fp32 row of the bucket, holding the mean over all ranks."""
+        """Wait; return this rank's fp32 row of the bucket, holding the mean over all ranks.
+
+        The row stays valid until :meth:`recycle`.
+        """
+
+    def progress(self) -> None:
+        """Advance without blocking: start any later stage whose inputs have arrived (qgZ's second hop).
+
+        Called as backward produces gradients, so later stages overlap it; values do not depend on when.
+        """
+
+    def recycle(self) -> None:
+        """The caller is done with the row ``finish`` returned: the strategy may reuse its memory."""
 
 
 class ReduceStrategy(Protocol):
@@ -41,3 +68,6 @@ class ReduceStrategy(Protocol):
         ``segments`` are the per-parameter chunk lengths that make up ``L`` (quantization blocks never
         cross them).
         """
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of the temporary buffers (wire, receive, partial-sum, result rows) the strategy owns now."""

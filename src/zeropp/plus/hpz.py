@@ -2,7 +2,9 @@
 
 When a unit's full weights are released, each rank keeps its 1/s slice of them (the secondary shard). Until
 the weights change, later gathers of that unit (backward, recomputation, further micro-steps) gather the
-slices over the hpZ group only, so they never cross the slow inter-node link.
+slices over the hpZ group only, so they never cross the slow inter-node link. Those gathers land in reused
+buffers (Note [buffer pool] in ``comm/buffers.py``); the slices themselves are model state, one row per
+unit, allocated once.
 
 Note [secondary staleness]: a slice records the unit's ``version`` it was cut from; the engine bumps the
 version on every weight change (optimizer step, state-dict or checkpoint load). A slice whose version
@@ -14,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zeropp.comm.gather import GatheredRows
+from zeropp.comm.buffers import BufferPools
+from zeropp.comm.gather import gather_into_pool
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather
@@ -32,12 +35,13 @@ class SecondaryStore:
         return self.versions.get(unit.index) == unit.version
 
     def keep(self, unit: Unit, index: int, group_size: int) -> None:
-        row = unit.full_chunk_row(index, group_size)
+        """While ``unit`` is gathered: copy chunk ``index`` of ``group_size`` of each parameter into its row."""
+        layout = unit.group_layout(group_size)
         held = self.rows.get(unit.index)
         if held is None:
-            self.rows[unit.index] = row
-        else:
-            held.copy_(row)
+            held = self.rows[unit.index] = torch.empty(layout.numel, dtype=unit.compute_dtype, device=unit.device)
+        for slot, off, c in zip(unit.slots, layout.offsets, layout.chunks):  # no concatenated temporary
+            held[off : off + c].copy_(slot.full.view(group_size, c)[index])
         self.versions[unit.index] = unit.version
 
 
@@ -49,14 +53,14 @@ class HpzGather:
         self.primary = primary
         self.store = store
         self.group = comm.topo.hpz
+        self.pools = BufferPools("hpz", "out")
 
     def start(self, unit: Unit, phase: Phase) -> PendingGather:
         if not self.store.is_current(unit):
             return self.primary.start(unit, phase)
         row = self.store.rows[unit.index]
-        out = torch.empty(self.group.size, row.numel(), dtype=row.dtype, device=row.device)
-        handle = self.comm.all_gather(out, row, self.group, phase, async_op=True)
-        return GatheredRows(out, unit.group_layout(self.group.size), [handle])
+        return gather_into_pool(self.comm, self.pools["out"], row, unit.group_layout(self.group.size), self.group,
+                                phase)
 
     def on_release(self, unit: Unit) -> None:
         if not self.store.is_current(unit):
@@ -65,3 +69,6 @@ class HpzGather:
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.store.rows.values()) + self.primary.held_tensors()
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return {**self.pools.buffer_bytes(), **self.primary.buffer_bytes()}

@@ -1,20 +1,24 @@
 """qwZ: the forward all-gather sends each rank's shard as block-quantized int8 (or int4) plus fp32 scales.
 
 Blocks follow parameter boundaries (one segment per parameter chunk), so a LayerNorm gain never shares a
-scale with a projection weight. Arriving rows are dequantized straight into the compute dtype.
+scale with a projection weight. The shard is quantized straight into a reused send row, the group's rows
+arrive in a reused ``[group, row]`` buffer and are dequantized into a reused compute-dtype buffer, which
+the engine hands back (``recycle``) once it copied the weights out (Note [buffer pool] in
+``comm/buffers.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from zeropp.comm.buffers import BufferPools
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm, Handle
 from zeropp.partition.spec import RowLayout
 from zeropp.partition.unit import Unit
-from zeropp.plus.wire import first_poisoned, pack, quantize_poisoning, unpack
-from zeropp.quant import BlockLayout, dequantize, payload_bytes
+from zeropp.plus.wire import WireFormat, decode_rows, encode_rows, first_poisoned
+from zeropp.quant import BlockLayout
 from zeropp.topology import Group
 
 
@@ -26,28 +30,49 @@ class NonFiniteWeightError(FloatingPointError):
     """
 
 
-@dataclass
 class _PendingQuantized:
-    out: torch.Tensor
-    handle: Handle
-    layout: BlockLayout
-    row: RowLayout
-    bits: int
-    dtype: torch.dtype
+    """One unit's quantized gather in flight: holds its send and receive rows until ``finish``, and the
+    dequantized rows it returns until ``recycle``."""
 
-    names: list[str]
+    def __init__(self, owner: "QuantizedGather", fmt: WireFormat, send: torch.Tensor, received: torch.Tensor,
+                 handle: Handle, unit: Unit) -> None:
+        self.owner, self.fmt, self.handle = owner, fmt, handle
+        self.send: Optional[torch.Tensor] = send
+        self.received: Optional[torch.Tensor] = received
+        self.row, self.dtype, self.names = unit.row, unit.compute_dtype, unit.segment_names()
+        self.out: Optional[torch.Tensor] = None
 
     def finish(self) -> tuple[torch.Tensor, RowLayout]:
+        if self.out is not None:
+            return self.out, self.row
+        pools, fmt = self.owner.pools, self.fmt
         self.handle.wait()
-        q = unpack(self.out, payload_bytes(self.layout, self.bits))
-        poisoned = first_poisoned(q.scales, self.layout)
+        assert self.send is not None and self.received is not None, "finish after a failed finish"
+        g, nb = self.received.shape[0], fmt.layout.num_blocks
+        numel = fmt.layout.numel
+        out = pools["out"].take(g * numel, self.dtype, self.received.device).view(g, numel)
+        scales = pools["scales"].take(g * nb, torch.float32, self.received.device).view(g, nb)
+        try:
+            decode_rows(fmt, self.received, self.dtype, out, scales)
+            poisoned = first_poisoned(scales, fmt.layout)
+        finally:
+            for role, t in (("scales", scales), ("send", self.send), ("recv", self.received)):
+                pools[role].give(t)
+            self.send = self.received = None
         if poisoned is not None:  # every rank received the same rows, so every rank raises here
+            pools["out"].give(out)
             source, segment = poisoned
             raise NonFiniteWeightError(
                 f"parameter {self.names[segment]!r} holds inf or nan in rank {source}'s shard; qwZ will not "
                 f"quantize it (the weights were corrupted before this gather)"
             )
-        return dequantize(q, self.layout, self.bits, self.dtype), self.row
+        self.out = out
+        return out, self.row
+
+    def recycle(self) -> None:
+        if self.out is not None:
+            self.owner.pools["out"].give(self.out)
+            self.out = None
 
 
 class QuantizedGather:
@@ -58,22 +83,37 @@ class QuantizedGather:
         self.bits = bits
         self.block_size = block_size
         self.group = group or comm.topo.world
-        self._layouts: dict[int, BlockLayout] = {}
+        self._formats: dict[int, WireFormat] = {}
+        self.pools = BufferPools("qwz", "send", "recv", "out", "scales")
 
     def layout(self, unit: Unit) -> BlockLayout:
-        if unit.index not in self._layouts:
-            self._layouts[unit.index] = BlockLayout(unit.row.chunks, self.block_size)
-        return self._layouts[unit.index]
+        return self.wire_format(unit).layout
+
+    def wire_format(self, unit: Unit) -> WireFormat:
+        if unit.index not in self._formats:
+            self._formats[unit.index] = WireFormat(BlockLayout(unit.row.chunks, self.block_size), self.bits)
+        return self._formats[unit.index]
 
     def start(self, unit: Unit, phase: Phase) -> _PendingQuantized:
-        layout = self.layout(unit)
-        wire = pack(quantize_poisoning(unit.shard_row().view(1, -1), layout, self.bits))[0]
-        out = torch.empty(self.group.size, wire.numel(), dtype=torch.uint8, device=wire.device)
-        handle = self.comm.all_gather(out, wire, self.group, phase, async_op=True)
-        return _PendingQuantized(out, handle, layout, unit.row, self.bits, unit.compute_dtype, unit.segment_names())
+        fmt = self.wire_format(unit)
+        shard = unit.shard_row()
+        g, rb, dev = self.group.size, fmt.row_bytes, shard.device
+        send = self.pools["send"].take(rb, torch.uint8, dev).view(1, rb)
+        nb = fmt.layout.num_blocks
+        scales = self.pools["scales"].take(nb, torch.float32, dev).view(1, nb)
+        try:
+            encode_rows(fmt, [shard], send, scales)
+        finally:
+            self.pools["scales"].give(scales)
+        received = self.pools["recv"].take(g * rb, torch.uint8, dev).view(g, rb)
+        handle = self.comm.all_gather(received, send[0], self.group, phase, async_op=True)
+        return _PendingQuantized(self, fmt, send, received, handle, unit)
 
     def on_release(self, unit: Unit) -> None:
         pass
 
     def held_tensors(self) -> list[torch.Tensor]:
         return []
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return self.pools.buffer_bytes()

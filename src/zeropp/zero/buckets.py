@@ -6,6 +6,12 @@ layout] in ``partition/spec.py``), so the reduce strategy's result row is direct
 shard of those parameters. One bucket's reduction stays in flight while backward fills the next, and under
 optimizer offload one reduced row's download to the host (``offload/link.py``) stays in flight while the
 next bucket reduces: it is added into the host rows when the next one completes.
+
+Buckets are filled into reused buffers, and the reduce strategy's result row is handed back
+(``recycle``) once it has been added, so a step allocates no bucket-sized tensor (Note [buffer pool] in
+``comm/buffers.py``). While backward hands in gradients, ``add`` lets the bucket in flight progress
+(qgZ starts its second hop as soon as the first has arrived: Note [overlapped second hop] in
+``plus/qgz.py``).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from itertools import groupby
 
 import torch
 
+from zeropp.comm.buffers import BufferPool
 from zeropp.comm.strategy import PendingReduce, ReduceStrategy
 from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
@@ -33,12 +40,13 @@ class _InFlight:
     pending: PendingReduce
     entries: list[_Entry]
     bucket: torch.Tensor
+    pooled: bool  # the bucket is a buffer of GradBuckets.pool not yet given back (not a gradient used as it is)
 
 
 @dataclass
 class _Download:
     transfer: Transfer
-    entries: list[_Entry]
+    job: _InFlight
     row: torch.Tensor  # the reduced row on the device, held until its copy is added
 
 
@@ -55,8 +63,11 @@ class GradBuckets:
     _size: int = 0
     _inflight: list[_InFlight] = field(default_factory=list)
     _downloads: list[_Download] = field(default_factory=list)
+    pool: BufferPool = field(default_factory=BufferPool)  # bucket buffers, reused every step
 
     def add(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
+        for job in self._inflight:  # e.g. qgZ: start hop 2 of the bucket in flight if hop 1 has arrived
+            job.pending.progress()
         self._ready.append(_Entry(unit, slot, grad))
         self._size += unit.slots[slot].spec.padded
         if self._size >= self.capacity:
@@ -67,22 +78,31 @@ class GradBuckets:
         if not self._ready:
             return
         entries, self._ready, self._size = self._ready, [], 0
-        cols, segments = [], []
-        for e in entries:
-            spec = e.unit.slots[e.slot].spec
-            assert e.grad is not None
-            flat = e.grad.reshape(-1)
-            if spec.padded != spec.numel:
-                flat = torch.nn.functional.pad(flat, (0, spec.padded - spec.numel))
-            cols.append(flat.view(self.world, spec.chunk))
-            segments.append(spec.chunk)
-        bucket = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0].contiguous()
+        segments = [e.unit.slots[e.slot].spec.chunk for e in entries]
+        bucket, pooled = self._fill(entries, segments)
         pending = self.reduce.start(bucket, segments)
         for e in entries:
             e.grad = None  # the bucket holds them now
         while self._inflight:
             self._complete(self._inflight.pop(0))
-        self._inflight.append(_InFlight(pending, entries, bucket))
+        self._inflight.append(_InFlight(pending, entries, bucket, pooled))
+
+    def _fill(self, entries: list[_Entry], segments: list[int]) -> tuple[torch.Tensor, bool]:
+        """The ``[W, sum(segments)]`` bucket: each gradient, zero-padded, as ``W`` rows of its chunk. A lone
+        unpadded gradient is its own bucket; otherwise the bucket is a pool buffer (True)."""
+        first = entries[0].grad
+        assert first is not None
+        spec = entries[0].unit.slots[entries[0].slot].spec
+        if len(entries) == 1 and spec.padded == spec.numel:
+            return first.reshape(self.world, spec.chunk), False
+        length = sum(segments)
+        bucket = self.pool.take(self.world * length, first.dtype, first.device).view(self.world, length)
+        off = 0
+        for e, c in zip(entries, segments):
+            assert e.grad is not None
+            _copy_padded(bucket[:, off : off + c], e.grad.reshape(-1))
+            off += c
+        return bucket, True
 
     def finish(self) -> None:
         """Reduce everything still pending and accumulate it into the owning gradient shards."""
@@ -96,10 +116,13 @@ class GradBuckets:
         """The reduction finished: start its row's copy out and add the copies before it (and this one too
         when nothing is in flight: the host is the device)."""
         row = job.pending.finish()
+        if job.pooled and row.untyped_storage().data_ptr() != job.bucket.untyped_storage().data_ptr():
+            self.pool.give(job.bucket)  # the reduction has read it; only stage 0's in-place row lives on in it
+            job.pooled = False
         if self.link.distinct:  # cast before the copy, not after: half the bytes, the same rounding
             row = row.to(job.entries[0].unit.compute_dtype)
         transfer = self.link.download(row)
-        self._downloads.append(_Download(transfer, job.entries, row))
+        self._downloads.append(_Download(transfer, job, row))
         keep = 0 if transfer.done else 1
         while len(self._downloads) > keep:
             self._accumulate(self._downloads.pop(0))
@@ -107,13 +130,17 @@ class GradBuckets:
     def _accumulate(self, job: _Download) -> None:
         row = job.transfer.wait()
         off = 0
-        for unit, entries in groupby(job.entries, key=lambda e: e.unit):  # one row in memory at a time
+        for unit, entries in groupby(job.job.entries, key=lambda e: e.unit):  # one row in memory at a time
             with self.residency.grads(unit):
                 views = unit.grad_views()  # on the host under optimizer offload: copied out per bucket
                 for e in entries:
                     c = unit.slots[e.slot].spec.chunk
                     views[e.slot].add_(row[off : off + c].to(views[e.slot].device, views[e.slot].dtype))
                     off += c
+        # Only now is the result row dead (and the bucket, when stage 0 reduced in place in it).
+        job.job.pending.recycle()
+        if job.job.pooled:
+            self.pool.give(job.job.bucket)
 
     def held_bytes(self) -> int:
         """Bytes of gradients waiting in buckets: full ones (ready, or in a reduction still in flight) and
@@ -121,3 +148,19 @@ class GradBuckets:
         ready = sum(e.grad.numel() * e.grad.element_size() for e in self._ready if e.grad is not None)
         copying = sum(job.row.numel() * job.row.element_size() for job in self._downloads)
         return ready + copying + sum(job.bucket.numel() * job.bucket.element_size() for job in self._inflight)
+
+
+def _copy_padded(dest: torch.Tensor, flat: torch.Tensor) -> None:
+    """Write ``flat`` zero-padded into the ``[W, c]`` view ``dest`` in row-major order (as ``pad`` then
+    ``view(W, c)`` would), without a padded temporary."""
+    c = dest.shape[1]
+    if c == 0:
+        return
+    q, r = divmod(flat.numel(), c)
+    if q:
+        dest[:q].copy_(flat[: q * c].view(q, c))
+    if r:
+        dest[q, :r].copy_(flat[q * c :])
+        dest[q, r:].zero_()
+        q += 1
+    dest[q:].zero_()
