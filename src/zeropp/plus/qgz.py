@@ -8,12 +8,16 @@ destined for rank ``p``:
 4. inter-node all-to-all among ranks with this local index: row ``k`` goes to node ``k``;
 5. dequantize, sum the ``n`` partials, divide by ``W``: the mean, in reduce-scatter's row order.
 
+Steps 3 and 5 are one fused kernel pass each (``zeropp.quant.dequantize_sum_quantize`` and
+``dequantize_sum``: pieces added left to right in fp32, the same bits on CPU and GPU), reading the
+arrived rows in place.
+
 Each hop is skipped when its group has one member (one node: intra-node hop only; one rank per node:
 inter-node hop only), so no value is quantized more often than needed. Dividing by ``W`` once at the end
 gives the mean; the public implementation divided by the node count only, leaving ``D`` times the mean.
 
 The reorder costs no copy: each bucket row is quantized straight into its slot of the send buffer. Wire
-rows, dequantized rows, partial sums and the result come from pools (Note [buffer pool] in
+rows, scale scratch and the result come from pools (Note [buffer pool] in
 ``comm/buffers.py``).
 
 Note [overlapped second hop]: step 3 and 4 run as soon as hop 1 has arrived, found by ``progress()``, which
@@ -32,8 +36,8 @@ import torch
 from zeropp.comm.buffers import BufferPools
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm, Handle
-from zeropp.plus.wire import WireFormat, decode_rows, encode_rows
-from zeropp.quant import BlockLayout
+from zeropp.plus.wire import WireFormat, encode_rows
+from zeropp.quant import BlockLayout, QuantizedRows, dequantize_sum, dequantize_sum_quantize
 from zeropp.topology import Group
 
 
@@ -53,8 +57,8 @@ class QuantizedReduce:
         self.comm = comm
         self.bits = bits
         self.block_size = block_size
-        # deq: dequantized rows of a hop; partial: a node's sums; result: the row handed to the buckets
-        self.pools = BufferPools("qgz", "send", "recv", "deq", "partial", "scales", "result")
+        # partial: a world of one's copy; scales: aligned scale scratch; result: the row handed to the buckets
+        self.pools = BufferPools("qgz", "send", "recv", "partial", "scales", "result")
 
     def start(self, bucket: torch.Tensor, segments: Sequence[int]) -> "_PendingQgz":
         topo = self.comm.topo
@@ -85,38 +89,45 @@ class QuantizedReduce:
         handle = self.comm.all_to_all(received, send, group, Phase.GRAD_REDUCE, async_op=group.size > 1)
         return _Hop(send, received, handle)
 
-    def _receive(self, fmt: WireFormat, hop: _Hop) -> torch.Tensor:
-        """Wait for ``hop``; its rows dequantized to fp32 in a ``deq`` pool buffer (the caller gives it back)."""
+    def _arrived(self, fmt: WireFormat, hop: _Hop) -> tuple[QuantizedRows, torch.Tensor]:
+        """Wait for ``hop``; its rows as QuantizedRows reading the data in place (scales copied to a 4-byte
+        aligned ``scales`` pool buffer; the caller gives back it and ``hop.received``)."""
         hop.handle.wait()
-        g, numel, nb, dev = hop.received.shape[0], fmt.layout.numel, fmt.layout.num_blocks, hop.received.device
-        out = self.pools["deq"].take(g * numel, torch.float32, dev).view(g, numel)
-        scales = self.pools["scales"].take(g * nb, torch.float32, dev).view(g, nb)
+        self.pools["send"].give(hop.send)
+        g, pb, nb = hop.received.shape[0], fmt.payload, fmt.layout.num_blocks
+        scales = self.pools["scales"].take(g * nb, torch.float32, hop.received.device).view(g, nb)
+        scales.view(torch.uint8).copy_(hop.received[:, pb:])
+        return QuantizedRows(hop.received[:, :pb], scales), scales
+
+    def _sum_and_resend(self, fmt: WireFormat, hop1: _Hop, d: int, n: int) -> _Hop:
+        """Steps 3-4 in one pass per block: dequantize the D pieces, sum them, requantize into hop 2's send rows."""
+        q, scales = self._arrived(fmt, hop1)
+        pb, nb, dev = fmt.payload, fmt.layout.num_blocks, hop1.received.device
+        send = self.pools["send"].take(n * fmt.row_bytes, torch.uint8, dev).view(n, fmt.row_bytes)
+        sums = self.pools["scales"].take(n * nb, torch.float32, dev).view(n, nb)
         try:
-            decode_rows(fmt, hop.received, torch.float32, out, scales)
+            # poisoned pieces (NaN scales) make NaN sums, which travel on poisoned (Note [non-finite poisoning])
+            dequantize_sum_quantize(q, fmt.layout, fmt.bits, d, out=QuantizedRows(send[:, :pb], sums), poison=True)
+            send[:, pb:].copy_(sums.view(torch.uint8))
         finally:
-            for role, t in (("scales", scales), ("send", hop.send), ("recv", hop.received)):
+            for role, t in (("scales", scales), ("scales", sums), ("recv", hop1.received)):
                 self.pools[role].give(t)
-        return out
+        received = self.pools["recv"].take(n * fmt.row_bytes, torch.uint8, dev).view(n, fmt.row_bytes)
+        inter = self.comm.topo.inter_node
+        handle = self.comm.all_to_all(received, send, inter, Phase.GRAD_REDUCE, async_op=inter.size > 1)
+        return _Hop(send, received, handle)
+
+    def _mean(self, fmt: WireFormat, hop: _Hop, pieces: int, out: torch.Tensor) -> None:
+        """Step 5 in one pass: dequantize the arrived pieces, sum them, divide by the world size, into ``out``."""
+        q, scales = self._arrived(fmt, hop)
+        try:
+            dequantize_sum(q, fmt.layout, fmt.bits, pieces, out=out, divisor=float(self.comm.topo.world_size))
+        finally:
+            self.pools["scales"].give(scales)
+            self.pools["recv"].give(hop.received)
 
     def buffer_bytes(self) -> dict[str, int]:
         return self.pools.buffer_bytes()
-
-
-def sum_pieces(pieces: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = pieces.sum(dim=0)`` for ``[P, R, L]`` fp32 dequantized pieces, with the same bits.
-
-    torch sums up to 4 pieces over the leading dim left to right from a zero identity; ``add`` then
-    ``add_`` does the same about twice as fast (one pass fewer over fp32 rows). The identity only matters
-    for -0.0, which a dequantized value never is (``code * scale`` with ``scale >= 0`` or NaN).
-    More pieces go to ``torch.sum`` itself, which then uses several accumulators.
-    """
-    p = pieces.shape[0]
-    if p > 4 or p < 2:
-        torch.sum(pieces, dim=0, out=out)
-        return
-    torch.add(pieces[0], pieces[1], out=out)
-    for i in range(2, p):
-        out.add_(pieces[i])
 
 
 class _PendingQgz:
@@ -135,41 +146,32 @@ class _PendingQgz:
             self._second_hop()
 
     def _second_hop(self) -> None:
-        """Steps 3-4 once hop 1 is in: sum the D pieces per node, requantize, start hop 2 (Note [overlapped
-        second hop])."""
+        """Steps 3-4 once hop 1 is in: the D pieces per node summed and requantized, hop 2 started (Note
+        [overlapped second hop]); on one node the sum is already the result."""
         assert self.hop1 is not None
-        pools, numel = self.owner.pools, self.fmt.layout.numel
-        received = self.owner._receive(self.fmt, self.hop1)  # [D * n, L]: D senders, n rows each
-        self.hop1 = None
-        partial = pools["partial"].take(self.n * numel, torch.float32, self.device).view(self.n, numel)
-        sum_pieces(received.view(self.d, self.n, numel), partial)
-        pools["deq"].give(received)
+        hop1, self.hop1 = self.hop1, None  # [D * n] rows arrived: D senders, n rows each
         if self.n > 1:
-            inter = self.owner.comm.topo.inter_node
-            self.hop2 = self.owner._send(self.fmt, [partial[k] for k in range(self.n)], inter)
-            pools["partial"].give(partial)
+            self.hop2 = self.owner._sum_and_resend(self.fmt, hop1, self.d, self.n)
         else:
-            self.partial = partial
+            self.result = self.owner.pools["result"].take(self.fmt.layout.numel, torch.float32, self.device)
+            self.owner._mean(self.fmt, hop1, self.d, self.result)
 
     def finish(self) -> torch.Tensor:
-        if self.result is not None:
-            return self.result
-        pools, numel = self.owner.pools, self.fmt.layout.numel
         if self.hop1 is not None:
             self._second_hop()
-        result = pools["result"].take(numel, torch.float32, self.device)
+        if self.result is not None:
+            return self.result
+        result = self.owner.pools["result"].take(self.fmt.layout.numel, torch.float32, self.device)
         if self.hop2 is not None:
-            received = self.owner._receive(self.fmt, self.hop2)
-            self.hop2 = None
-            sum_pieces(received.view(self.n, 1, numel), result.view(1, numel))
-            pools["deq"].give(received)
-        else:
+            hop2, self.hop2 = self.hop2, None
+            self.owner._mean(self.fmt, hop2, self.n, result)
+        else:  # a world of one
             assert self.partial is not None
             result.copy_(self.partial[0])
-            pools["partial"].give(self.partial)
+            self.owner.pools["partial"].give(self.partial)
             self.partial = None
-        self.result = result.div_(self.owner.comm.topo.world_size)
-        return self.result
+        self.result = result
+        return result
 
     def recycle(self) -> None:
         if self.result is not None:
