@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeropp import checkpointing
 from zeropp import topology as topo_mod
 from zeropp.checkpoint import CheckpointingEngine
 from zeropp.comm.gather import AllGather
@@ -207,6 +208,8 @@ def initialize(
     known = AutoValues(hidden_size=_hidden_size(model), client_optimizer=optimizer is not None,
                        client_scheduler=lr_scheduler is not None)
     cfg = load_config(source, known)
+    if "activation_checkpointing" in cfg.model_fields_set:  # the section given: its settings apply (see
+        checkpointing.apply_config(cfg)                      # docs/config.md, activation_checkpointing)
     if param_init_fn is None and callable(getattr(model, "_init_weights", None)):
         param_init_fn = model._init_weights  # a Hugging Face model initializes each submodule with this
     if dist_init_required is False and not dist.is_initialized():
@@ -276,6 +279,8 @@ def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainP
         offload_optimizer=zero.offload_optimizer is not None and zero.offload_optimizer.device != "none",
         offload_param=zero.offload_param is not None and zero.offload_param.device != "none",
         gather_granularity=zero.gather_granularity,
+        prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+        max_live_parameters=zero.stage3_max_live_parameters,
     )
 
 

@@ -42,7 +42,6 @@ from zeropp.config_models import (
     OPTIMIZER_TYPES,
     SCHEDULER_TYPES,
     STATUS_IMPLEMENTED,
-    STATUS_INERT,
     STATUS_PARTIAL,
     STATUS_TUNING,
     UNION_TAGS,
@@ -159,8 +158,7 @@ class ZeroppConfig(Section):
                                           "zeropp runs Adam/AdamW sections as its CpuAdam under offload and a "
                                           "client optimizer as given.", status=STATUS_TUNING)
     activation_checkpointing: ActivationCheckpointingConfig = F(
-        default_factory=ActivationCheckpointingConfig, doc="Settings of DeepSpeed's checkpointing API.",
-        status=STATUS_INERT)
+        default_factory=ActivationCheckpointingConfig, doc="Settings of DeepSpeed's checkpointing API.")
     aio: AioConfig = F(default_factory=AioConfig, doc="DeepSpeed's libaio settings for NVMe offload.",
                        status=STATUS_TUNING)
     tensor_parallel: TensorParallelConfig = F(default_factory=TensorParallelConfig, doc="DeepSpeed's "

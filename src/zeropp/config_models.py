@@ -204,14 +204,14 @@ class ZeroConfig(Section):
                                   "(rounded to whole parameters; 0 reduces each parameter on its own).")
     allgather_bucket_size: DSInt = F(500_000_000, ge=1, doc="Stage 1/2 all-gather bucket size.",
                                      status=STATUS_TUNING)
-    stage3_prefetch_bucket_size: DSInt = F(50_000_000, ge=0, doc="Elements gathered ahead of use; zeropp "
-                                           "prefetches the next module.", status=STATUS_TUNING)
+    stage3_prefetch_bucket_size: DSInt = F(50_000_000, ge=0, doc="Most elements one prefetch may gather (the "
+                                           "next unit, one at a time); 0 turns prefetching off.")
     stage3_param_persistence_threshold: DSInt = F(100_000, ge=0, doc="Parameters smaller than this stay "
                                                   "unpartitioned in DeepSpeed.", status=STATUS_TUNING)
     stage3_model_persistence_threshold: DSInt = F(2**63 - 1, ge=0, doc="Cap on persisted elements.",
                                                   status=STATUS_TUNING)
-    stage3_max_live_parameters: DSInt = F(1_000_000_000, ge=0, doc="Gathered elements kept before release.",
-                                          status=STATUS_TUNING)
+    stage3_max_live_parameters: DSInt = F(1_000_000_000, ge=0, doc="A prefetch starts only while the "
+                                          "gathered, in-flight and prefetched elements stay within this.")
     stage3_max_reuse_distance: DSInt = F(1_000_000_000, ge=0, doc="Keep a gathered parameter if reused "
                                          "within this distance.", status=STATUS_TUNING)
     stage3_gather_16bit_weights_on_model_save: bool = F(False, doc="Gather full 16-bit weights when saving "
@@ -291,24 +291,26 @@ class ZeroConfig(Section):
 class ActivationCheckpointingConfig(Section):
     """`activation_checkpointing`: DeepSpeed's settings for its ``deepspeed.checkpointing`` API.
 
-    DeepSpeed reads them only when the script calls ``deepspeed.checkpointing.configure``; so does zeropp
-    (``zeropp.checkpointing.configure``), where the keys that would move checkpoints (partitioned, on the
-    host, contiguous) raise an error naming them, since that is not built yet. Loading the config alone
-    changes nothing. ``zeropp.checkpointing.checkpoint``, ``torch.utils.checkpoint`` and Hugging Face's
-    ``gradient_checkpointing_enable()`` work with every stage.
+    ``zeropp.checkpointing.configure`` reads them (as DeepSpeed's does), and ``zeropp.initialize`` hands the
+    section to it when the config has one. They apply to ``zeropp.checkpointing.checkpoint`` and to Hugging
+    Face models enabled through ``zeropp.checkpointing.gradient_checkpointing_enable``; plain
+    ``torch.utils.checkpoint`` ignores them.
     """
 
-    partition_activations: bool = F(False, doc="Split saved checkpoints across model-parallel ranks (needs "
-                                    "deepspeed.checkpointing).", status=STATUS_INERT)
-    cpu_checkpointing: bool = F(False, doc="Keep saved checkpoints on the host (needs deepspeed.checkpointing).",
-                                status=STATUS_INERT)
-    contiguous_memory_optimization: bool = F(False, doc="Copy checkpoints into one buffer (needs "
-                                             "deepspeed.checkpointing).", status=STATUS_INERT)
-    number_checkpoints: DSInt | None = F(None, ge=1, doc="Checkpoints per pass, sizing that buffer.",
-                                         status=STATUS_INERT)
-    synchronize_checkpoint_boundary: bool = F(False, doc="Device synchronization at each checkpoint.",
-                                              status=STATUS_INERT)
-    profile: bool = F(False, doc="Time the checkpointed forward and backward.", status=STATUS_INERT)
+    partition_activations: bool = F(False, doc="DeepSpeed splits each checkpoint across the model-parallel "
+                                    "group (whole with a group of one); zeropp has none, so checkpoints stay "
+                                    "whole, as in DeepSpeed then (a ConfigWarning says so).")
+    cpu_checkpointing: bool = F(False, doc="Keep the checkpoint inputs in host memory until the rerun (copied "
+                                "through the host link, asynchronously on CUDA; nothing to copy on a CPU-only "
+                                "run).")
+    contiguous_memory_optimization: bool = F(False, doc="Copy checkpoint inputs into slots of one buffer "
+                                             "per input size, preallocated with number_checkpoints slots.")
+    number_checkpoints: DSInt | None = F(None, ge=1, doc="Checkpoint inputs held at once (slots of the "
+                                         "contiguous buffer); required with contiguous_memory_optimization.")
+    synchronize_checkpoint_boundary: bool = F(False, doc="torch.cuda.synchronize() before and after each "
+                                              "checkpointed forward and rerun (no-op on the CPU).")
+    profile: bool = F(False, doc="Time each checkpointed forward and rerun (logged; "
+                      "zeropp.checkpointing.timings()).")
 
 
 class AioConfig(Section):

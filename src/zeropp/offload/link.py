@@ -41,6 +41,11 @@ class Transfer:
         """True when nothing is in flight (the destination may be read without waiting)."""
         return self._wait is None
 
+    @property
+    def destination(self) -> torch.Tensor:
+        """Where the copy lands (for accounting: its contents may be read only after :meth:`wait`)."""
+        return self._dst
+
     def wait(self) -> torch.Tensor:
         if self._wait is not None:
             self._wait()
@@ -71,6 +76,14 @@ class HostLink:
 
     def settle(self) -> None:
         """Wait until no upload still reads a host row (before the host writes those rows again)."""
+
+    def fetch(self, src: torch.Tensor, device: torch.device) -> Transfer:
+        """Start copying the host tensor ``src`` into a new tensor on ``device`` (strides kept where dense).
+
+        Unlike :meth:`upload`, ``src`` is a host copy that nobody writes again (an activation checkpoint
+        kept on the host), so :meth:`settle` does not wait for it. Here: a synchronous copy, or ``src``
+        itself when it already is on ``device``."""
+        return Transfer(src if src.device == device else src.to(device))
 
 
 class CudaLink(HostLink):
@@ -119,6 +132,17 @@ class CudaLink(HostLink):
             event.synchronize()
         self._uploads.clear()
 
+    def fetch(self, src: torch.Tensor, device: torch.device) -> Transfer:
+        # as upload, into a new device tensor; `wait` orders the compute stream after the copy. A pinned
+        # source is kept from reuse until the copy ran by torch's host allocator (it records the stream).
+        dst = torch.empty_like(src, device=device)
+        queued = torch.cuda.current_stream(self.device).record_event()
+        with torch.cuda.stream(self._up):
+            self._up.wait_event(queued)
+            dst.copy_(src, non_blocking=True)
+            done = self._up.record_event()
+        return Transfer(dst, lambda: torch.cuda.current_stream(self.device).wait_event(done))
+
 
 class ThreadedLink(HostLink):
     """A separate "device" in host memory with an asynchronous copy engine: a worker thread that copies
@@ -156,6 +180,10 @@ class ThreadedLink(HostLink):
         for done in self._uploads:
             done.result()
         self._uploads.clear()
+
+    def fetch(self, src: torch.Tensor, device: torch.device) -> Transfer:
+        dst = torch.empty_like(src)  # the "device" is host memory here
+        return Transfer(dst, self._copy_later(src, dst).result)
 
 
 def build_link(device: torch.device, offloads: bool, pin_memory: bool) -> HostLink:

@@ -43,6 +43,7 @@ from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
+from zeropp.zero.memory import ActivationMeter, GatheredWeights, memory_report, weight_storages
 from zeropp.zero.param_use import ParamUse
 from zeropp.zero.timing import StepTimer, format_time_report
 
@@ -94,6 +95,8 @@ class TrainPolicy:
     offload_optimizer: bool = False  # fp32 masters, optimizer state and gradient rows on the host
     offload_param: bool = False  # stage 3's 16-bit shards on the host (or on NVMe through the residency)
     gather_granularity: str = "block"  # stage 3 units: one per block (ModuleList child) or per module
+    prefetch_bucket_size: int = 50_000_000  # stage 3: most elements one prefetch may gather (0: none)
+    max_live_parameters: int = 1_000_000_000  # stage 3: gathered + in-flight elements a prefetch may reach
 
 
 class _BackgroundUpdate:
@@ -185,6 +188,11 @@ class ZeroEngine(DeepSpeedSurface):
         self.residency.attach(self.optimizer, self._optimized)
         self.lr_scheduler = make_scheduler(self.optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
+        # ZeRO-R's residual memory (zero/memory.py): saved activations, gathered weights and the prefetch bound
+        weights = weight_storages(self.module)  # once: a weight keeps its storage object while it is resized
+        self.activations = ActivationMeter(lambda: weights)
+        self.gathered_weights = GatheredWeights(policy.max_live_parameters, policy.prefetch_bucket_size,
+                                                torch.empty((), dtype=policy.compute_dtype).element_size())
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._grads_missing: dict[Unit, int] = {}
@@ -249,8 +257,9 @@ class ZeroEngine(DeepSpeedSurface):
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
         for unit in self.units:
             self._await_upload(unit)
-            rows, layout = self.strategies.forward_gather.start(unit, phase).finish()
-            unit.materialize(rows, layout)
+            pending = self.strategies.forward_gather.start(unit, phase)
+            unit.materialize(*pending.finish())
+            pending.recycle()  # the rows were copied out: the strategy reuses the buffer
 
     def _start_gather(self, unit: Unit, which: Pass, optional: bool = False) -> Optional[PendingGather]:
         """Start gathering ``unit`` once its shard is readable; None when ``optional`` and the shard could not
@@ -337,6 +346,8 @@ class ZeroEngine(DeepSpeedSurface):
         rows, layout = pending.finish()
         self.residency.shard_done(unit)
         unit.materialize(rows, layout)
+        pending.recycle()  # the rows were copied out: the strategy reuses the buffer (Note [buffer pool])
+        self.gathered_weights.gathered(unit)
 
     def _prefetch(self, which: Pass, position: int) -> None:
         """Start gathering the unit that followed this one last time, so it overlaps this unit's compute."""
@@ -344,7 +355,9 @@ class ZeroEngine(DeepSpeedSurface):
         if position + 1 >= len(last) or last[position] is not self._order[which][position]:
             return
         nxt = last[position + 1]
-        if nxt.state is UnitState.SHARDED and nxt not in self._inflight:
+        # one prefetch in flight at most, within stage3_prefetch_bucket_size / stage3_max_live_parameters
+        if nxt.state is UnitState.SHARDED and not self._inflight and \
+                self.gathered_weights.admits(nxt, gathering=last[position]):
             pending = self._start_gather(nxt, which, optional=True)
             if pending is not None:
                 self._inflight[nxt] = pending
@@ -354,12 +367,14 @@ class ZeroEngine(DeepSpeedSurface):
     def _release(self, unit: Unit, which: Pass) -> None:
         if unit.state is UnitState.GATHERED:
             self._strategy(which).on_release(unit)
+            self.gathered_weights.released(unit)
             unit.release()
 
     def _drain_prefetches(self, which: Pass) -> None:
         """Complete and drop prefetches that were not used (the model took another path this time)."""
         for unit, pending in list(self._inflight.items()):
             pending.finish()
+            pending.recycle()
             self.residency.shard_done(unit)
         self._inflight.clear()
         for unit in self.units:  # shards read ahead that no gather used (another path, or already gathered)
@@ -376,9 +391,10 @@ class ZeroEngine(DeepSpeedSurface):
         self._order[Pass.FORWARD] = []
         with self.timer.span("forward"):
             if self.use is None:
-                return self.module(*args, **kwargs)
+                with self.activations.watching():  # Note [activation meter]
+                    return self.module(*args, **kwargs)
             try:
-                with self.use.watching():
+                with self.use.watching(), self.activations.watching():  # the meter chains to the weights' hooks
                     return self.module(*args, **kwargs)
             finally:
                 self._drain_prefetches(Pass.FORWARD)
@@ -453,6 +469,8 @@ class ZeroEngine(DeepSpeedSurface):
         self.global_steps += 1
         self.ledger.close_step()
         self.timer.close_step()
+        self.activations.close_step()
+        self.gathered_weights.close_step()
         if self._print_every and self.global_steps % self._print_every == 0 and self.topo.rank == 0:
             print(f"[zeropp] {format_time_report(self.timer.report(), self.global_steps)}", flush=True)
 
@@ -692,6 +710,11 @@ class ZeroEngine(DeepSpeedSurface):
         phase, hidden or not; ``exposed_comm_fraction`` is the waits' share of the step.
         """
         return self.timer.report()
+
+    def memory_report(self) -> dict[str, Any]:
+        """ZeRO-R's residual memory on this rank (``zero/memory.py``): every temporary buffer with its bytes and
+        bound, the peak of saved activations and of gathered weights in the last step, and model states."""
+        return memory_report(self)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the model-state tensors this rank holds, by kind, measured from the tensors.
