@@ -42,8 +42,7 @@ def train(rank: int, world: int, zero: dict, gas: int, print_every: int) -> dict
     return {"reports": reports, "walls": walls}
 
 
-@pytest.mark.parametrize("zero,gas", [(ZERO_PP, 1), ({"stage": 3}, 2), ({"stage": 2}, 1)],
-                         ids=["zeropp", "zero3-gas2", "zero2"])
+@pytest.mark.parametrize("zero,gas", [(ZERO_PP, 1), ({"stage": 2}, 2)], ids=["zeropp", "zero2-gas2"])
 def test_parts_add_up_to_the_step(zero: dict, gas: int) -> None:
     out = run_world(functools.partial(train, zero=zero, gas=gas, print_every=0), 4)
     for rank, res in enumerate(out):
@@ -58,23 +57,14 @@ def test_parts_add_up_to_the_step(zero: dict, gas: int) -> None:
             assert parts["forward_compute"] > 0 and parts["backward_compute"] > 0 and parts["optimizer_step"] > 0
             busy = report["collective_busy_s"]
             assert busy["grad_reduce"] > 0
-            if zero["stage"] == 3:
+            if zero["stage"] == 3:  # stage 2's weights are resident: gathered once after the step (other)
                 assert busy["forward_gather"] > 0 and busy["backward_gather"] > 0
             else:
                 assert busy["backward_gather"] == 0
             assert 0 <= report["exposed_comm_fraction"] < 1
-            by_link = report["grad_reduce_wait_by_link_s"]
+            by_link = report["grad_reduce_wait_by_link_s"]  # qgZ: hop 1 intra-node, hop 2 inter-node
+            assert set(by_link) == {"intra_node", "inter_node"}
             assert sum(by_link.values()) == pytest.approx(parts["grad_reduce_wait"], abs=1e-9)
-
-
-def test_zeropp_hops_are_timed_per_link() -> None:
-    """qgZ's intra-node hop and inter-node hop land on their links; hpZ's backward gathers stay in the node."""
-    out = run_world(functools.partial(train, zero=ZERO_PP, gas=1, print_every=0), 4)
-    report = out[0]["reports"][-1]
-    assert report["collective_busy_s"]["grad_reduce"] > 0
-    for res in out:
-        by_link = res["reports"][-1]["grad_reduce_wait_by_link_s"]
-        assert set(by_link) == {"intra_node", "inter_node"}
 
 
 def test_wall_clock_breakdown_prints_every_steps_per_print(capfd: pytest.CaptureFixture[str]) -> None:
