@@ -187,6 +187,14 @@ def bench(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     return bench_main(argv[argv.index("bench") + 1:] if "bench" in argv else [], prog_args=args)
 
 
+def _plan_parser(sub: "argparse._SubParsersAction") -> None:
+    from zeropp.plan.cli import DESCRIPTION, add_arguments  # no torch import: the CLI stays quick
+
+    p = sub.add_parser("plan", help="predict step time and memory of each ZeRO stage / ZeRO++ technique for a model "
+                       "and cluster, ranked; --calibrate measures this machine", description=DESCRIPTION)
+    add_arguments(p)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="zeropp", description="ZeRO-3 with ZeRO++ on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _consolidate_parser(sub)
     _verify_parser(sub)
     _bench_parser(sub)
+    _plan_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
@@ -203,6 +212,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return verify_checkpoint(args)
     if args.command == "bench":
         return bench(args, argv)
+    if args.command == "plan":
+        from zeropp.plan.cli import main as plan_main
+
+        return plan_main(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
