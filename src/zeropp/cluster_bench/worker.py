@@ -28,7 +28,8 @@ from zeropp.demo.data import corpus_tokens, get_batch
 from zeropp.demo.model import GPT, GPTConfig
 
 
-def _wait_for(path: str, timeout_s: float) -> None:
+def wait_for(path: str, timeout_s: float) -> None:
+    """Poll for ``path`` (a driver's control file) until it exists or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
         if time.monotonic() > deadline:
@@ -87,7 +88,7 @@ class Run:
         spec = self.spec
         if self.rank == 0:
             _write_json(os.path.join(control, f"ready.{k}"), {"phase": label})
-        _wait_for(os.path.join(control, f"go.{k}"), spec["wait_timeout_s"])
+        wait_for(os.path.join(control, f"go.{k}"), spec["wait_timeout_s"])
         dist.barrier()
         # The very first step pays one-time costs (optimizer state allocation, DeepSpeed's trace); it is extra,
         # so that every phase's warm-up samples memory with the optimizer state present.

@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from typing import Any, Optional
 
 from zeropp.plan.profile import Fit, InterLink, PlanError, Profile
@@ -35,12 +34,6 @@ def _write_json(path: str, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def _wait_for(path: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {os.path.basename(path)} from the driver within {timeout_s:.0f} s")
-        time.sleep(0.05)
 
 
 # ---- inside a rank ------------------------------------------------------------------------------------------
@@ -89,6 +82,7 @@ def run_rank(phases: list[str], control: Optional[str], device_name: str, timeou
     import torch
 
     from zeropp import topology
+    from zeropp.cluster_bench.worker import wait_for
     from zeropp.deepspeed_api import init_distributed
     from zeropp.plan import probes
 
@@ -105,7 +99,7 @@ def run_rank(phases: list[str], control: Optional[str], device_name: str, timeou
         if control and topo.rank == 0:
             _write_json(os.path.join(control, f"ready.{k}"), {"phase": label})
         if control:
-            _wait_for(os.path.join(control, f"go.{k}"), timeout_s)
+            wait_for(os.path.join(control, f"go.{k}"), timeout_s)
         comm.barrier()
         result: dict[str, Any] = {"label": label}
         if k == 0:

@@ -265,6 +265,16 @@ def check_divisor(divisor: float | None) -> float | None:
     return d
 
 
+def check_sum_args(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int, out: torch.Tensor | None,
+                   divisor: float | None) -> tuple[int, float | None]:
+    """Validate ``dequantize_sum``'s arguments (every implementation's); return (rows per piece, divisor)."""
+    rows = check_pieces(check_dequantize_args(q, layout, bits, torch.float32), pieces)
+    div = check_divisor(divisor)
+    if out is not None:
+        check_out(out, rows, layout, torch.float32)
+    return rows, div
+
+
 def dequantize_sum(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int, out: torch.Tensor | None = None,
                    divisor: float | None = None) -> torch.Tensor:
     """Sum of ``pieces`` stacked pieces of quantized rows, dequantized in fp32: qgZ's reduction after a hop.
@@ -283,11 +293,7 @@ def dequantize_sum(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int
         float32 [R, numel]: ``sum_p deq(q)[p * R + r]`` added left to right in fp32 (module docstring), then
         divided by ``divisor``; or ``out`` when given.
     """
-    g = check_dequantize_args(q, layout, bits, torch.float32)
-    rows = check_pieces(g, pieces)
-    div = check_divisor(divisor)
-    if out is not None:
-        check_out(out, rows, layout, torch.float32)
+    rows, div = check_sum_args(q, layout, bits, pieces, out, divisor)
     y = dequantize(q, layout, bits, torch.float32).view(pieces, rows, layout.numel)
     acc = y[0].clone()
     for p in range(1, pieces):

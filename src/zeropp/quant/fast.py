@@ -600,11 +600,7 @@ def dequantize(q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch.dt
 def dequantize_sum(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int, out: torch.Tensor | None = None,
                    divisor: float | None = None) -> torch.Tensor:
     """Same contract as ``blockwise.dequantize_sum``; uses the C kernel for CPU inputs when available."""
-    g = spec.check_dequantize_args(q, layout, bits, torch.float32)
-    rows = spec.check_pieces(g, pieces)
-    div = spec.check_divisor(divisor)
-    if out is not None:
-        spec.check_out(out, rows, layout, torch.float32)
+    rows, div = spec.check_sum_args(q, layout, bits, pieces, out, divisor)
     if not _all_cpu(q.data, q.scales, out) or not fast_available():
         return spec.dequantize_sum(q, layout, bits, pieces, out, divisor)
     return _dequantize_sum_c(q, layout, bits, pieces, out, div)

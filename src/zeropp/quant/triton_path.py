@@ -162,15 +162,11 @@ def dequantize(q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch.dt
 def dequantize_sum(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int, out: torch.Tensor | None = None,
                    divisor: float | None = None) -> torch.Tensor:
     """``blockwise.dequantize_sum`` on the device of ``q`` (one kernel, no sync)."""
-    g = spec.check_dequantize_args(q, layout, bits, torch.float32)
-    rows = spec.check_pieces(g, pieces)
-    div = spec.check_divisor(divisor)
-    if out is not None:
-        spec.check_out(out, rows, layout, torch.float32)
+    rows, div = spec.check_sum_args(q, layout, bits, pieces, out, divisor)
     device = _check_devices("dequantize_sum", q.data, q.scales, *(() if out is None else (out,)))
     y = out if out is not None else torch.empty(rows, layout.numel, dtype=torch.float32, device=device)
     if rows * layout.num_blocks:
-        _check_size(g, layout)
+        _check_size(rows * pieces, layout)
         _launch_dequantize(q, layout, bits, y, rows, pieces, div)
     return y
 
