@@ -33,9 +33,12 @@ class GatheredRows:
 
     def recycle(self) -> None:
         if self.pool is not None:
-            self.finish()  # the collective must be done writing before the buffer is reused
+            for h in self.handles:  # the collective must be done writing before the buffer is reused
+                h.wait()
             self.pool.give(self.out)
             self.pool = None
+            self.handles = []
+            self.out = torch.empty(0, dtype=self.out.dtype)  # a finish() after recycle() sees no rows
 
 
 def gather_into_pool(comm: Comm, pool: BufferPool, row: torch.Tensor, layout: RowLayout, group: Group,

@@ -26,7 +26,8 @@ class PendingGather(Protocol):
     def recycle(self) -> None:
         """The caller is done with the rows ``finish`` returned: the strategy may reuse their memory.
 
-        Never calling it is safe (the buffer is then never reused); calling it before ``finish`` is a no-op.
+        Never calling it is safe (the buffer is then never reused). Called before ``finish``, it waits for the
+        collective and gives the buffer back; rows are not to be read after it.
         """
 
 

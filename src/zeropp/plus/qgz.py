@@ -22,8 +22,10 @@ rows, scale scratch and the result come from pools (Note [buffer pool] in
 
 Note [overlapped second hop]: step 3 and 4 run as soon as hop 1 has arrived, found by ``progress()``, which
 the gradient buckets call as backward hands them gradients; ``finish`` only waits for hop 2 then. The
-public implementation ran the hops back to back. Starting hop 2 at a moment that differs between ranks is
-safe because the inter-node group carries nothing but hop 2, issued in bucket order on every rank (a
+public implementation ran the hops back to back. Only on gloo (CPU tensors): NCCL requires the same order
+of collectives across concurrent communicators on every rank, so on CUDA hop 2 starts in ``finish``. On
+gloo, starting hop 2 at a moment that differs between ranks is safe because the inter-node group carries
+nothing but hop 2, issued in bucket order on every rank (a
 bucket is finished, so its hop 2 issued, before the next one can progress); values do not depend on when.
 """
 from __future__ import annotations
@@ -142,7 +144,10 @@ class _PendingQgz:
         self.result: Optional[torch.Tensor] = None
 
     def progress(self) -> None:
-        if self.hop1 is not None and self.hop1.handle.is_done():
+        # gloo only (CPU): NCCL wants every rank to issue collectives on concurrent communicators in the
+        # same order, and an early hop 2 would come before or after the next bucket's hop 1 depending on
+        # each rank's timing; on CUDA hop 2 starts in finish, in the same place on every rank.
+        if self.device.type == "cpu" and self.hop1 is not None and self.hop1.handle.is_done():
             self._second_hop()
 
     def _second_hop(self) -> None:

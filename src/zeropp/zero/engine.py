@@ -707,7 +707,8 @@ class ZeroEngine(DeepSpeedSurface):
         reduction and other collectives, the optimizer step, offload I/O waits, and time outside the engine
         (``untracked``), summing to ``step_s``; ``grad_reduce_wait_by_link_s`` splits the reduction wait by
         link (qgZ's intra-node and inter-node hops); ``collective_busy_s`` is issue-to-completion time per
-        phase, hidden or not; ``exposed_comm_fraction`` is the waits' share of the step.
+        phase, hidden or not; ``exposed_comm_fraction`` is the waits' share of the step. Times are the host
+        thread's: with NCCL on CUDA a wait only orders streams, so waits read near zero there.
         """
         return self.timer.report()
 

@@ -114,7 +114,9 @@ class ActivationMeter:
     def __init__(self, excluded: Callable[[], set[int]]) -> None:
         self._excluded = excluded
         self._live: dict[int, list[Any]] = {}  # storage key -> [holders, bytes, role]
-        self._lock = threading.Lock()  # autograd may free saved tensors on its device threads (CUDA)
+        # autograd may free saved tensors on its device threads (CUDA); reentrant because a garbage
+        # collection inside the locked region can run _Token.__del__, which takes the lock again
+        self._lock = threading.RLock()
         self.now = {DEVICE: 0, HOST: 0}
         self.peak = dict(self.now)
         self.last_step: Optional[dict[str, int]] = None

@@ -54,6 +54,7 @@ class StepTimer:
     _stack: list[_Open] = field(default_factory=list)
     _parts: dict[str, float] = field(default_factory=dict)
     _step_start: Optional[float] = None
+    _before_step: dict[tuple[str, Phase, Link], float] = field(default_factory=dict)  # times recorded before it
     _last: dict[str, object] = field(default_factory=dict)
 
     def _total_waits(self) -> float:
@@ -68,6 +69,7 @@ class StepTimer:
                 yield
                 return
             self._step_start = now
+            self._before_step = dict(self.ledger.times)  # waits between steps (a checkpoint load) are not its
         opened = _Open(name, now, self._total_waits())
         self._stack.append(opened)
         try:
@@ -85,7 +87,7 @@ class StepTimer:
 
     def reset(self) -> None:
         """Forget the current step (the engine's set-up is not a step)."""
-        self._stack, self._parts, self._step_start = [], {}, None
+        self._stack, self._parts, self._step_start, self._before_step = [], {}, None, {}
 
     def close_step(self) -> None:
         """End the step (call after the ledger's ``close_step``): snapshot the breakdown for :meth:`report`."""
@@ -93,20 +95,24 @@ class StepTimer:
         step = end - self._step_start if self._step_start is not None else 0.0
         led = self.ledger
         parts = {key: self._parts.get(key, 0.0) for key in PHASES}
+        def seconds(kind: str, phase: Phase, link: Optional[Link] = None) -> float:
+            earlier = sum(v for (k, p, ln), v in self._before_step.items()
+                          if k == kind and p == phase and link in (None, ln))
+            return max(0.0, led.seconds(kind, phase, link) - earlier)
+
         for phase, key in _WAIT_KEY.items():
-            parts[key] = led.seconds("wait", phase)
+            parts[key] = seconds("wait", phase)
         parts["untracked"] = max(0.0, step - sum(v for k, v in parts.items() if k != "untracked"))
         exposed = sum(parts[k] for k in _WAIT_KEY.values())
         self._last = {
             "step_s": step,
             "phases_s": parts,
-            "grad_reduce_wait_by_link_s": {link.value: led.seconds("wait", Phase.GRAD_REDUCE, link)
-                                           for link in Link},
-            "collective_busy_s": {phase.value: led.seconds("busy", phase) for phase in Phase},
+            "grad_reduce_wait_by_link_s": {link.value: seconds("wait", Phase.GRAD_REDUCE, link) for link in Link},
+            "collective_busy_s": {phase.value: seconds("busy", phase) for phase in Phase},
             "exposed_comm_s": exposed,
             "exposed_comm_fraction": exposed / step if step > 0 else 0.0,
         }
-        self._parts, self._step_start = {}, None
+        self._parts, self._step_start, self._before_step = {}, None, {}
 
     def report(self) -> dict[str, object]:
         """The last completed step's breakdown (empty before the first step)."""
