@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from zeropp.quant import BlockLayout, NonFiniteInputError, QuantizedRows, dequantize, payload_bytes, quantize
+from zeropp.quant import BlockLayout, QuantizedRows, dequantize, payload_bytes, quantize
 
 
 @dataclass(frozen=True)
@@ -83,26 +83,8 @@ def decode_rows(fmt: WireFormat, wire: torch.Tensor, dtype: torch.dtype, out: to
 def quantize_poisoning(x: torch.Tensor, layout: BlockLayout, bits: int,
                        out: Optional[QuantizedRows] = None) -> QuantizedRows:
     """``quantize`` (into ``out`` when given), except that blocks holding inf/nan get a NaN scale instead of
-    an exception."""
-    try:
-        return quantize(x, layout, bits, out)
-    except NonFiniteInputError:
-        pass
-    # The rare path (the step will be skipped or raise): allocating here costs nothing that matters.
-    rows = x.reshape(-1, layout.numel)
-    finite = torch.isfinite(rows)
-    q = quantize(torch.where(finite, rows, torch.zeros((), dtype=rows.dtype)), layout, bits)
-    starts = layout.block_starts()
-    block_of = torch.repeat_interleave(torch.arange(layout.num_blocks), starts[1:] - starts[:-1]).to(rows.device)
-    bad = torch.zeros(rows.shape[0], layout.num_blocks, device=rows.device).index_add_(
-        1, block_of, (~finite).float()) > 0
-    scales = q.scales.clone()
-    scales[bad] = float("nan")
-    if out is None:
-        return QuantizedRows(q.data, scales)
-    out.data.copy_(q.data)
-    out.scales.copy_(scales)
-    return out
+    an exception: the quantizer's own ``poison=True`` (one pass, no host sync on CUDA)."""
+    return quantize(x, layout, bits, out, poison=True)
 
 
 def first_poisoned(scales: torch.Tensor, layout: BlockLayout) -> Optional[tuple[int, int]]:
