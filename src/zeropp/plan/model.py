@@ -9,12 +9,11 @@ last in forward and first in backward.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from zeropp.plan.profile import PlanError
+from zeropp.plan.profile import PlanError, read_json_file
 
 
 @dataclass(frozen=True)
@@ -173,15 +172,7 @@ def load_model(text: str) -> tuple[ModelSpec, Optional[dict[str, Any]]]:
     count = parse_params(text)
     if count is not None:
         return gpt_of_size(count), None
-    try:
-        with open(text) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise PlanError(f"--model {text}: not a parameter count (like 18B or 1.3e9) and no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise PlanError(f"--model {text}: cannot read the file: {err}") from None
-    except json.JSONDecodeError as err:
-        raise PlanError(f"--model {text}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
+    raw = read_json_file("--model", text, missing="not a parameter count (like 18B or 1.3e9) and no such file")
     if not isinstance(raw, dict):
         raise PlanError(f"--model {text}: the top level must be a JSON object")
     if "zero_optimization" in raw or any(k.startswith("train_") for k in raw):

@@ -183,13 +183,16 @@ def profile_from_json(raw: Any, where: str = "profile") -> Profile:
 
 def load_profile(path: str) -> Profile:
     """Read a profile file; a missing file, bad JSON or a bad key is a :class:`PlanError` naming the file."""
+    return profile_from_json(read_json_file("--profile", path), where=f"--profile {path}")
+
+
+def read_json_file(flag: str, path: str, missing: str = "file not found") -> Any:
+    """The JSON file given to ``flag``, read by the config's reader (``zeropp.config.read_json``: duplicate
+    keys refused too); its errors become one :class:`PlanError` naming the option and the file."""
+    from zeropp.config import ConfigError, read_json  # pydantic comes with it: only when a file is read
+
     try:
-        with open(path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise PlanError(f"--profile {path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise PlanError(f"--profile {path}: cannot read the file: {err}") from None
-    except json.JSONDecodeError as err:
-        raise PlanError(f"--profile {path}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
-    return profile_from_json(raw, where=f"--profile {path}")
+        return read_json(path)
+    except ConfigError as err:
+        problem = err.problems[0]
+        raise PlanError(f"{flag} {path}: {missing if problem == 'file not found' else problem}") from None
