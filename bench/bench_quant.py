@@ -156,15 +156,8 @@ def main_cuda(args: argparse.Namespace) -> None:
 
     if not torch.cuda.is_available() or not triton_available():
         raise SystemExit("--cuda needs a CUDA device, a CUDA build of torch and triton")
-    cases = []
-    for dtype in (torch.bfloat16, torch.float32):
-        numel = args.cuda_mb * MB // torch.tensor([], dtype=dtype).element_size()
-        layouts = [BlockLayout((numel,), args.block_size)]
-        if dtype == torch.bfloat16:
-            layouts.append(unaligned_layout(numel, args.block_size))
-        for layout in layouts:
-            for bits in (8, 4):
-                cases.append(bench_cuda_case(dtype, layout, bits, args))
+    cases = [bench_cuda_case(dtype, layout, bits, args)
+             for dtype, layout, bits in case_grid(args.cuda_mb * MB, args.block_size)]
     device = torch.cuda.get_device_name()
     print(f"{device}; torch {torch.__version__}; Triton path; {args.cuda_mb} MiB input, blocks of {args.block_size}")
     print()
@@ -239,6 +232,19 @@ def main_qgz(args: argparse.Namespace) -> None:
     write_results(args.out, {"meta": meta, "cases": cases})
 
 
+def case_grid(nbytes: int, block_size: int) -> list[tuple[torch.dtype, BlockLayout, int]]:
+    """(dtype, layout, bits) of every timed case: ``nbytes`` of bf16 (one segment, then odd segments) and of
+    fp32 (one segment), each at 8 and 4 bits."""
+    grid = []
+    for dtype in (torch.bfloat16, torch.float32):
+        numel = nbytes // torch.tensor([], dtype=dtype).element_size()
+        layouts = [BlockLayout((numel,), block_size)]
+        if dtype == torch.bfloat16:
+            layouts.append(unaligned_layout(numel, block_size))
+        grid += [(dtype, layout, bits) for layout in layouts for bits in (8, 4)]
+    return grid
+
+
 def unaligned_layout(numel: int, block_size: int) -> BlockLayout:
     """Many parameter-like segments of odd lengths (plus a zero-length one) summing to numel."""
     gen = torch.Generator().manual_seed(1)
@@ -278,15 +284,7 @@ def main() -> None:
     t0 = time.perf_counter()
     have_fast = fast_available()
     build_s = time.perf_counter() - t0
-    cases = []
-    for dtype in (torch.bfloat16, torch.float32):
-        numel = 64 * MB // torch.tensor([], dtype=dtype).element_size()
-        layouts = [BlockLayout((numel,), args.block_size)]
-        if dtype == torch.bfloat16:
-            layouts.append(unaligned_layout(numel, args.block_size))
-        for layout in layouts:
-            for bits in (8, 4):
-                cases.append(bench_case(dtype, layout, bits, args))
+    cases = [bench_case(dtype, layout, bits, args) for dtype, layout, bits in case_grid(64 * MB, args.block_size)]
 
     print(f"fast path available: {have_fast} (build/load + self-test {build_s:.2f} s); "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
