@@ -28,6 +28,7 @@ from zeropp.offload.link import build_link
 from zeropp.offload.residency import build_residency
 from zeropp.optim import build_optimizer, build_scheduler
 from zeropp.plus.hpz import HpzGather, SecondaryStore
+from zeropp.plus.loco import Loco
 from zeropp.plus.qgz import QuantizedReduce
 from zeropp.plus.qwz import QuantizedGather
 from zeropp.topology import Group
@@ -64,10 +65,16 @@ def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
         store = SecondaryStore()  # shared: a slice cut after forward serves backward
         forward, backward = HpzGather(comm, forward, store), HpzGather(comm, backward, store)
     reduce = (
-        QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block) if zero.zero_quantized_gradients
+        QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block, _loco(zero)) if zero.zero_quantized_gradients
         else AllToAllReduceScatter(comm)
     )
     return Strategies(forward, backward, reduce)
+
+
+def _loco(zero: ZeroConfig) -> Optional[Loco]:
+    """LoCo error feedback for qgZ when ``zeropp_loco_param`` is set."""
+    p = zero.zeropp_loco_param
+    return Loco(p.err_beta, p.reset_T, zero.quantization_block_size) if p is not None else None
 
 
 def _precision(cfg: ZeroppConfig) -> tuple[torch.dtype, Optional[LossScaler]]:

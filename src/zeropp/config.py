@@ -237,8 +237,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 "false asks for all-reduce gradient averaging; accepted: true"),
     Unsupported("zero_optimization.zero_quantized_nontrainable_weights", lambda v: v is True,
                 "storing frozen weights quantized; accepted: false"),
-    Unsupported("zero_optimization.zeropp_loco_param", lambda v: v is not None,
-                "LoCo-ZeRO++ error feedback; accepted: null"),
     Unsupported("prescale_gradients", lambda v: v is True,
                 "dividing gradients before the reduction; accepted: false"),
     Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "accepted: 1.0"),

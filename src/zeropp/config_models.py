@@ -195,6 +195,20 @@ class OffloadParamConfig(Section):
 
 
 # --------------------------------------------------------------------------------------------------- ZeRO
+class LocoConfig(Section):
+    """`zero_optimization.zeropp_loco_param`: LoCo error feedback for qgZ (arXiv 2407.04480), DeepSpeed's keys.
+
+    Before each qgZ hop quantizes, it adds the error it kept from the previous step; after quantizing it keeps
+    ``err_beta * old + (1 - err_beta) * new`` error. Every ``reset_T`` optimizer steps the errors start from
+    zero again. See Note [LoCo error feedback] in ``plus/loco.py``.
+    """
+
+    err_beta: Number = F(0.8, ge=0, lt=1, doc="Weight of the previous error in the moving average (DeepSpeed's "
+                         "default 0.8); 0 keeps only the latest step's error.")
+    reset_T: DSInt = F(1024, ge=1, doc="Optimizer steps after which the kept errors are zeroed (DeepSpeed's "
+                       "default 1024).")
+
+
 class ZeroConfig(Section):
     """`zero_optimization`: the ZeRO stage, its buckets, and the ZeRO++ switches (qwZ, hpZ, qgZ)."""
 
@@ -252,7 +266,9 @@ class ZeroConfig(Section):
     zero_hpz_partition_size: DSInt = F(1, ge=1, doc="hpZ: ranks holding the secondary weight shard "
                                        "(1 = off; usually ranks per node).")
     zero_quantized_gradients: bool = F(False, doc="qgZ: quantized 2-hop all-to-all gradient reduction.")
-    zero_quantized_gradients_bits: DSInt = F(4, doc="zeropp extension: qgZ bits per gradient, 4 or 8.")
+    zero_quantized_gradients_bits: DSInt = F(4, doc="zeropp extension: qgZ bits per gradient, 2, 4 or 8 (2 "
+                                             "with `zeropp_loco_param` to converge; 1 is refused: symmetric "
+                                             "block quantization has no 1-bit code).")
     quantization_block_size: DSInt = F(2048, doc="zeropp extension: elements per quantization block "
                                        "(even, >= 2).")
     gather_granularity: Literal["block", "module"] = F(
@@ -261,8 +277,9 @@ class ZeroConfig(Section):
         "each module's own parameters separately (smallest peak of gathered weights).")
     zero_quantized_nontrainable_weights: bool = F(False, doc="Store frozen weights quantized. `true` is "
                                                   "not supported yet.", status=STATUS_PARTIAL)
-    zeropp_loco_param: dict[str, Any] | None = F(None, doc="LoCo-ZeRO++ error feedback settings; any "
-                                                 "value is not supported yet.", status=STATUS_PARTIAL)
+    zeropp_loco_param: LocoConfig | None = F(None, doc="LoCo error feedback for qgZ: `{\"err_beta\": 0.8, "
+                                             "\"reset_T\": 1024}` (see its section); needs "
+                                             "`zero_quantized_gradients`.")
     offload_optimizer: OffloadOptimizerConfig | None = F(None, doc="Optimizer offload (see its section).")
     offload_param: OffloadParamConfig | None = F(None, doc="Parameter offload (see its section).")
 
@@ -273,12 +290,29 @@ class ZeroConfig(Section):
             raise problem(f"must be 0, 1, 2 or 3, got {v}", "0, 1, 2 or 3")
         return v
 
-    @field_validator("zero_quantized_weights_bits", "zero_quantized_gradients_bits")
+    @field_validator("zero_quantized_weights_bits")
     @classmethod
     def _bits(cls, v: int) -> int:
         if v not in (4, 8):
             raise problem(f"got {v} bits", "4 or 8")
         return v
+
+    @field_validator("zero_quantized_gradients_bits")
+    @classmethod
+    def _grad_bits(cls, v: int) -> int:
+        if v == 1:
+            raise problem("got 1 bit: symmetric block quantization has no 1-bit code (its largest code is "
+                          "2**(bits-1) - 1 = 0); sign compression would be another algorithm", "2, 4 or 8")
+        if v not in (2, 4, 8):
+            raise problem(f"got {v} bits", "2, 4 or 8")
+        return v
+
+    @model_validator(mode="after")
+    def _loco_needs_qgz(self) -> ZeroConfig:
+        if self.zeropp_loco_param is not None and not self.zero_quantized_gradients:
+            raise problem("error feedback corrects qgZ's quantization, and zero_quantized_gradients is false",
+                          "zero_quantized_gradients: true, or no zeropp_loco_param", path="zeropp_loco_param")
+        return self
 
     @field_validator("quantization_block_size")
     @classmethod

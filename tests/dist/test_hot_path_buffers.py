@@ -104,6 +104,9 @@ class _Watched:
     def start(self, *args: Any) -> "_WatchedPending":
         return _WatchedPending(self._call("start", *args), self.rec)
 
+    def end_step(self) -> None:
+        self.inner.end_step()
+
 
 class _WatchedPending(_Watched):
     force_hop1 = False  # qgZ: wait for hop 1 inside start, so the next gradient's progress() must see it

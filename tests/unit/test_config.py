@@ -241,12 +241,31 @@ def test_scheduler_bad_warmup_type_and_unknown_type() -> None:
     ({"quantization_block_size": 7}, "zero_optimization.quantization_block_size: got 7"),
     ({"quantization_block_size": 0}, "zero_optimization.quantization_block_size: got 0"),
     ({"zero_quantized_weights_bits": 6}, "zero_optimization.zero_quantized_weights_bits: got 6"),
-    ({"zero_quantized_gradients_bits": 2}, "zero_optimization.zero_quantized_gradients_bits: got 2"),
+    ({"zero_quantized_gradients_bits": 3}, "zero_optimization.zero_quantized_gradients_bits: got 3"),
+    ({"zero_quantized_gradients_bits": 1}, "zero_optimization.zero_quantized_gradients_bits: got 1 bit: "
+     "symmetric block quantization has no 1-bit code"),
+    ({"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 1.0}},
+     "zero_optimization.zeropp_loco_param.err_beta: got 1.0"),
+    ({"zero_quantized_gradients": True, "zeropp_loco_param": {"reset_T": 0}},
+     "zero_optimization.zeropp_loco_param.reset_T: got 0"),
+    ({"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "beta": 1}},
+     "zero_optimization.zeropp_loco_param.beta"),
+    ({"zeropp_loco_param": {"err_beta": 0.8}}, "zero_optimization.zeropp_loco_param: error feedback corrects "
+     "qgZ's quantization, and zero_quantized_gradients is false"),
     ({"offload_optimizer": {"device": "gpu"}}, "zero_optimization.offload_optimizer.device: got \"gpu\""),
     ({"reduce_bucket_size": -5}, "zero_optimization.reduce_bucket_size: got -5; accepted: an integer >= 0"),
 ])
 def test_out_of_range_values(zero: dict, path: str) -> None:
     assert path in str(error_of(stage3(**zero)))
+
+
+def test_loco_takes_deepspeeds_keys_and_defaults() -> None:
+    zero = load_config(stage3(zero_quantized_gradients=True, zero_quantized_gradients_bits=2,
+                              zeropp_loco_param={"err_beta": 0.5, "reset_T": 10})).zero_optimization
+    assert (zero.zero_quantized_gradients_bits, zero.zeropp_loco_param.err_beta, zero.zeropp_loco_param.reset_T) == (
+        2, 0.5, 10)
+    defaults = load_config(stage3(zero_quantized_gradients=True, zeropp_loco_param={})).zero_optimization
+    assert (defaults.zeropp_loco_param.err_beta, defaults.zeropp_loco_param.reset_T) == (0.8, 1024)
 
 
 def test_section_of_wrong_kind() -> None:
@@ -265,7 +284,6 @@ def test_bf16_and_fp16_together_is_a_plain_config_error() -> None:
      "fp16.fp16_master_weights_and_grads"),
     (stage3(reduce_scatter=False), "zero_optimization.reduce_scatter"),
     (stage3(zero_quantized_nontrainable_weights=True), "zero_optimization.zero_quantized_nontrainable_weights"),
-    (stage3(zeropp_loco_param={"err_beta": 0.8}), "zero_optimization.zeropp_loco_param"),
     ({"prescale_gradients": True, **stage3()}, "prescale_gradients"),
     ({"gradient_predivide_factor": 2.0, **stage3()}, "gradient_predivide_factor"),
     ({"optimizer": {"type": "lamb", "params": {"lr": 1}}, **stage3()}, "optimizer.type"),

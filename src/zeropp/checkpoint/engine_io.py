@@ -30,6 +30,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -48,6 +49,7 @@ from zeropp.checkpoint.format import (
 from zeropp.checkpoint.manifest import Manifest, read_manifest, seal
 from zeropp.checkpoint.reshard import read_ranges
 from zeropp.checkpoint.verify import check_files, open_shard
+from zeropp.plus.loco import Shape, map_states
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 from zeropp.zero.engine import ZeroEngine
 
@@ -108,6 +110,8 @@ def _shard_payload(engine: ZeroEngine, params: list[_Param], client_state: Any, 
         "scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
         "counters": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps},
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "reduce_state": {"shape": [engine.topo.num_nodes, engine.topo.ranks_per_node],
+                         "state": engine.strategies.reduce.state_dict()},
         "rng": _rng_state(),
         "buffers": {k: t.detach() for k, t in _buffers(engine).items()},
         "client_state": client_state,
@@ -246,6 +250,30 @@ class _Loaded:
     buffers: dict[str, torch.Tensor]
     client_state: Any
     loss_scaler: Optional[dict] = None  # fp16 only
+    reduce_state: Optional[dict] = None  # as saved, then the reduce strategy's state for this topology
+
+
+def _reduce_state(engine: ZeroEngine, manifest: Manifest, rank: int, params: list[_Param],
+                  own: Optional[dict]) -> Optional[dict]:
+    """The reduce strategy's state for this rank, or None when it keeps none. LoCo's kept errors are taken
+    as saved on the same topology (``own``: this rank's saved entry, read with its shard), mapped from every
+    old rank's on another (Note [mapping kept errors] in ``plus/loco.py``), and start from zero, with a
+    warning, when the checkpoint has none."""
+    current = engine.strategies.reduce.state_dict()
+    if not current:
+        return None
+    topo = engine.topo
+    shape = Shape(topo.num_nodes, topo.ranks_per_node)
+    if own is not None and own.get("shape") == [shape.nodes, shape.per_node] and "loco" in own.get("state", {}):
+        return own["state"]
+    saved = [(open_shard(manifest, r, mmap=True).get("reduce_state") or {}) for r in range(manifest.world_size)]
+    if not all("loco" in s.get("state", {}) for s in saved):
+        warnings.warn(f"{manifest.path}: the checkpoint keeps no LoCo errors (saved without zeropp_loco_param); "
+                      "error feedback starts from zero", stacklevel=3)
+        return {"loco": {**current["loco"], "steps": 0, "first": {}, "second": {}}}
+    states = [s["state"]["loco"] for s in saved]
+    sizes = {p.name: (p.numel, p.chunk) for p in params}
+    return {"loco": map_states(states, Shape(*saved[0]["shape"]), shape, rank, sizes, int(states[0]["block"]))}
 
 
 def _read_same_world(manifest: Manifest, rank: int, params: list[_Param]) -> _Loaded:
@@ -253,7 +281,7 @@ def _read_same_world(manifest: Manifest, rank: int, params: list[_Param]) -> _Lo
     check_shard_fits(shard, manifest.shard_path(rank), rank, params)
     return _Loaded(shard["params"], shard.get("grads"), shard["optimizer"], shard.get("scheduler"),
                    shard["counters"], shard.get("rng"), shard.get("buffers", {}), shard.get("client_state"),
-                   shard.get("loss_scaler"))
+                   shard.get("loss_scaler"), shard.get("reduce_state"))
 
 
 def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_optimizer: bool) -> _Loaded:
@@ -285,6 +313,8 @@ def _apply(engine: ZeroEngine, params: list[_Param], loaded: _Loaded, what: "_Wh
         return
     if loaded.loss_scaler is not None and engine.loss_scaler is not None:
         engine.loss_scaler.load_state_dict(loaded.loss_scaler)
+    if loaded.reduce_state is not None:
+        engine.strategies.reduce.load_state_dict(loaded.reduce_state)
     if what.optimizer:
         engine.optimizer.load_state_dict(loaded.optimizer)
     if what.scheduler and loaded.scheduler is not None and engine.lr_scheduler is not None:
@@ -337,6 +367,10 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
         else:  # buffers, param groups and scalars come from rank 0's file
             loaded, source = _read_resharded(manifest, params, rank, with_optimizer), manifest.shard_path(0)
         check_buffers(loaded.buffers, source, _buffers(engine))
+        if not what.module_only:
+            loaded.reduce_state = _reduce_state(engine, manifest, rank, params, loaded.reduce_state)
+        else:
+            loaded.reduce_state = None
         if with_optimizer:
             check_param_groups(loaded.optimizer["param_groups"], engine.optimizer.param_groups, source)
         return loaded

@@ -49,14 +49,27 @@ class _PendingSum:
             self.result = None
 
 
-class AllToAllReduceScatter:
+class Stateless:
+    """The step hooks and (empty) state of a reduction that keeps nothing between steps."""
+
+    def end_step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class AllToAllReduceScatter(Stateless):
     """Mean-reduce a ``[W, L]`` bucket so that rank ``r`` ends with row ``r`` averaged over all ranks."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.pools = BufferPools("reduce", "recv", "fp32", "result")
 
-    def start(self, bucket: torch.Tensor, segments: Sequence[int]) -> _PendingSum:
+    def start(self, bucket: torch.Tensor, segments: Sequence[int], names: Sequence[str] = ()) -> _PendingSum:
         world = self.comm.topo.world
         received = self.pools["recv"].take(bucket.numel(), bucket.dtype, bucket.device).view(bucket.shape)
         handle = self.comm.all_to_all(received, bucket, world, Phase.GRAD_REDUCE, async_op=True)
@@ -84,7 +97,7 @@ class _PendingMean:
         pass
 
 
-class AllReduceMean:
+class AllReduceMean(Stateless):
     """Stage 0: every rank keeps whole gradients, so a ``[1, L]`` bucket is all-reduced (in fp32) and averaged.
 
     Summing in fp32 costs twice the bytes of a 16-bit all-reduce but matches the fp32 sum of the other
@@ -95,7 +108,7 @@ class AllReduceMean:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
 
-    def start(self, bucket: torch.Tensor, segments: Sequence[int]) -> _PendingMean:
+    def start(self, bucket: torch.Tensor, segments: Sequence[int], names: Sequence[str] = ()) -> _PendingMean:
         summed = bucket.float()
         handle = self.comm.all_reduce(summed, self.comm.topo.world, Phase.GRAD_REDUCE, async_op=True)
         return _PendingMean(summed, handle, self.comm.topo.world_size)

@@ -63,12 +63,21 @@ class PendingReduce(Protocol):
 
 
 class ReduceStrategy(Protocol):
-    def start(self, bucket: torch.Tensor, segments: Sequence[int]) -> PendingReduce:
+    def start(self, bucket: torch.Tensor, segments: Sequence[int], names: Sequence[str] = ()) -> PendingReduce:
         """Reduce a ``[W, L]`` bucket whose row ``r`` is destined for rank ``r``.
 
         ``segments`` are the per-parameter chunk lengths that make up ``L`` (quantization blocks never
-        cross them).
+        cross them); ``names`` the parameters they belong to (state kept per parameter, e.g. LoCo's errors).
         """
+
+    def end_step(self) -> None:
+        """Called after every optimizer step (LoCo counts steps to its reset)."""
+
+    def state_dict(self) -> dict:
+        """Training state the strategy keeps between steps (LoCo's errors), saved in checkpoints; {} if none."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (on the same topology)."""
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of the temporary buffers (wire, receive, partial-sum, result rows) the strategy owns now."""

@@ -27,6 +27,10 @@ of collectives across concurrent communicators on every rank, so on CUDA hop 2 s
 gloo, starting hop 2 at a moment that differs between ranks is safe because the inter-node group carries
 nothing but hop 2, issued in bucket order on every rank (a
 bucket is finished, so its hop 2 issued, before the next one can progress); values do not depend on when.
+
+With LoCo (``plus/loco.py``, Note [LoCo error feedback]) the first quantization (step 1, or step 4 with one
+rank per node) and the requantization of step 3 each add their kept error before quantizing and keep the new
+one; step 3 then runs as a sum, an add and a quantization instead of the fused pass.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ import torch
 from zeropp.comm.buffers import BufferPools
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm, Handle
-from zeropp.plus.wire import WireFormat, encode_rows
+from zeropp.plus.loco import BucketKeys, Loco, Stage, keys_of
+from zeropp.plus.wire import WireFormat, decode_rows, encode_rows
 from zeropp.quant import BlockLayout, QuantizedRows, dequantize_sum, dequantize_sum_quantize
 from zeropp.topology import Group
 
@@ -55,27 +60,51 @@ class _Hop:
 class QuantizedReduce:
     """Mean-reduce a ``[W, L]`` gradient bucket with quantized intra- then inter-node all-to-alls."""
 
-    def __init__(self, comm: Comm, bits: int, block_size: int) -> None:
+    def __init__(self, comm: Comm, bits: int, block_size: int, loco: Optional[Loco] = None) -> None:
         self.comm = comm
         self.bits = bits
         self.block_size = block_size
+        self.loco = loco  # error feedback (Note [LoCo error feedback]), or None
         # partial: a world of one's copy; scales: aligned scale scratch; result: the row handed to the buckets
         self.pools = BufferPools("qgz", "send", "recv", "partial", "scales", "result")
 
-    def start(self, bucket: torch.Tensor, segments: Sequence[int]) -> "_PendingQgz":
+    def start(self, bucket: torch.Tensor, segments: Sequence[int], names: Sequence[str] = ()) -> "_PendingQgz":
         topo = self.comm.topo
         d, n = topo.ranks_per_node, topo.num_nodes
         fmt = WireFormat(BlockLayout(tuple(segments), self.block_size), self.bits)
-        pending = _PendingQgz(self, fmt, d, n, bucket.device)
+        keys = keys_of(names, segments) if self.loco is not None and topo.world_size > 1 else None
+        pending = _PendingQgz(self, fmt, d, n, bucket.device, keys)
         if d > 1:  # send row (j, k) = bucket row k * D + j
-            pending.hop1 = self._send(fmt, [bucket[k * d + j] for j in range(d) for k in range(n)], topo.intra_node)
+            order = [k * d + j for j in range(d) for k in range(n)]
+            pending.hop1 = self._send_first(fmt, bucket, order, topo.intra_node, keys)
         elif n > 1:  # one rank per node: quantizing the 16-bit rows equals quantizing their fp32 copies
-            pending.hop2 = self._send(fmt, [bucket[k] for k in range(n)], topo.inter_node)
+            pending.hop2 = self._send_first(fmt, bucket, list(range(n)), topo.inter_node, keys)
         else:  # a world of one
             numel = fmt.layout.numel
             pending.partial = self.pools["partial"].take(numel, torch.float32, bucket.device).view(1, numel)
             pending.partial.copy_(bucket)
         return pending
+
+    def _send_first(self, fmt: WireFormat, bucket: torch.Tensor, order: list[int], group: Group,
+                    keys: Optional[BucketKeys]) -> _Hop:
+        """Quantize this rank's bucket rows in ``order`` and send them; with LoCo, compensated first."""
+        if keys is None:
+            return self._send(fmt, [bucket[i] for i in order], group)
+        assert self.loco is not None
+        comp = self.loco.compensate(Stage.FIRST, keys, bucket)
+        hop = self._send(fmt, [comp.x[i] for i in order], group)
+        sent = torch.empty_like(comp.x)
+        sent[order] = self._decoded(fmt, hop.send)  # back to bucket-row order
+        self.loco.keep(Stage.FIRST, keys, comp, sent)
+        return hop
+
+    def _decoded(self, fmt: WireFormat, wire: torch.Tensor) -> torch.Tensor:
+        """What the receivers of ``wire``'s rows will dequantize, in fp32 (LoCo's view of the error)."""
+        g = wire.shape[0]
+        out = torch.empty(g, fmt.layout.numel, dtype=torch.float32, device=wire.device)
+        scales = torch.empty(g, fmt.layout.num_blocks, dtype=torch.float32, device=wire.device)
+        decode_rows(fmt, wire, torch.float32, out, scales)
+        return out
 
     def _send(self, fmt: WireFormat, rows: list[torch.Tensor], group: Group) -> _Hop:
         # inf/nan gradients travel as NaN-scaled blocks (Note [non-finite poisoning] in wire.py): they land
@@ -101,8 +130,10 @@ class QuantizedReduce:
         scales.view(torch.uint8).copy_(hop.received[:, pb:])
         return QuantizedRows(hop.received[:, :pb], scales), scales
 
-    def _sum_and_resend(self, fmt: WireFormat, hop1: _Hop, d: int, n: int) -> _Hop:
+    def _sum_and_resend(self, fmt: WireFormat, hop1: _Hop, d: int, n: int, keys: Optional[BucketKeys]) -> _Hop:
         """Steps 3-4 in one pass per block: dequantize the D pieces, sum them, requantize into hop 2's send rows."""
+        if keys is not None:
+            return self._sum_compensate_resend(fmt, hop1, d, n, keys)
         q, scales = self._arrived(fmt, hop1)
         pb, nb, dev = fmt.payload, fmt.layout.num_blocks, hop1.received.device
         send = self.pools["send"].take(n * fmt.row_bytes, torch.uint8, dev).view(n, fmt.row_bytes)
@@ -114,7 +145,31 @@ class QuantizedReduce:
         finally:
             for role, t in (("scales", scales), ("scales", sums), ("recv", hop1.received)):
                 self.pools[role].give(t)
-        received = self.pools["recv"].take(n * fmt.row_bytes, torch.uint8, dev).view(n, fmt.row_bytes)
+        return self._send_inter(fmt, send)
+
+    def _sum_compensate_resend(self, fmt: WireFormat, hop1: _Hop, d: int, n: int, keys: BucketKeys) -> _Hop:
+        """Steps 3-4 with LoCo: sum the D pieces in fp32, add the kept error, quantize, keep the new error."""
+        assert self.loco is not None
+        q, scales = self._arrived(fmt, hop1)
+        dev = hop1.received.device
+        try:
+            partial = dequantize_sum(q, fmt.layout, fmt.bits, d)  # [n, L]
+        finally:
+            self.pools["scales"].give(scales)
+            self.pools["recv"].give(hop1.received)
+        comp = self.loco.compensate(Stage.SECOND, keys, partial)
+        send = self.pools["send"].take(n * fmt.row_bytes, torch.uint8, dev).view(n, fmt.row_bytes)
+        sums = self.pools["scales"].take(n * fmt.layout.num_blocks, torch.float32, dev).view(n, -1)
+        try:
+            encode_rows(fmt, [comp.x[k] for k in range(n)], send, sums)
+        finally:
+            self.pools["scales"].give(sums)
+        self.loco.keep(Stage.SECOND, keys, comp, self._decoded(fmt, send))
+        return self._send_inter(fmt, send)
+
+    def _send_inter(self, fmt: WireFormat, send: torch.Tensor) -> _Hop:
+        n = send.shape[0]
+        received = self.pools["recv"].take(n * fmt.row_bytes, torch.uint8, send.device).view(n, fmt.row_bytes)
         inter = self.comm.topo.inter_node
         handle = self.comm.all_to_all(received, send, inter, Phase.GRAD_REDUCE, async_op=inter.size > 1)
         return _Hop(send, received, handle)
@@ -131,13 +186,26 @@ class QuantizedReduce:
     def buffer_bytes(self) -> dict[str, int]:
         return self.pools.buffer_bytes()
 
+    def end_step(self) -> None:
+        if self.loco is not None:
+            self.loco.end_step()
+
+    def state_dict(self) -> dict:
+        """LoCo's kept errors (empty without LoCo): training state, saved in checkpoints."""
+        return {"loco": self.loco.state_dict()} if self.loco is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.loco is not None and "loco" in state:
+            self.loco.load_state_dict(state["loco"])
+
 
 class _PendingQgz:
     """One bucket's reduction: hop 1 in flight, then (``progress`` or ``finish``) hop 2, then the result row,
     which stays this reduction's until ``recycle``."""
 
-    def __init__(self, owner: QuantizedReduce, fmt: WireFormat, d: int, n: int, device: torch.device) -> None:
-        self.owner, self.fmt, self.d, self.n, self.device = owner, fmt, d, n, device
+    def __init__(self, owner: QuantizedReduce, fmt: WireFormat, d: int, n: int, device: torch.device,
+                 keys: Optional[BucketKeys] = None) -> None:
+        self.owner, self.fmt, self.d, self.n, self.device, self.keys = owner, fmt, d, n, device, keys
         self.hop1: Optional[_Hop] = None
         self.partial: Optional[torch.Tensor] = None  # [n, L] fp32: this node's sums for each node's rank
         self.hop2: Optional[_Hop] = None
@@ -156,7 +224,7 @@ class _PendingQgz:
         assert self.hop1 is not None
         hop1, self.hop1 = self.hop1, None  # [D * n] rows arrived: D senders, n rows each
         if self.n > 1:
-            self.hop2 = self.owner._sum_and_resend(self.fmt, hop1, self.d, self.n)
+            self.hop2 = self.owner._sum_and_resend(self.fmt, hop1, self.d, self.n, self.keys)
         else:
             self.result = self.owner.pools["result"].take(self.fmt.layout.numel, torch.float32, self.device)
             self.owner._mean(self.fmt, hop1, self.d, self.result)

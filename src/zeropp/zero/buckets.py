@@ -80,7 +80,7 @@ class GradBuckets:
         entries, self._ready, self._size = self._ready, [], 0
         segments = [e.unit.slots[e.slot].spec.chunk for e in entries]
         bucket, pooled = self._fill(entries, segments)
-        pending = self.reduce.start(bucket, segments)
+        pending = self.reduce.start(bucket, segments, [e.unit.slots[e.slot].name for e in entries])
         for e in entries:
             e.grad = None  # the bucket holds them now
         while self._inflight:

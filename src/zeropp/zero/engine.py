@@ -467,6 +467,7 @@ class ZeroEngine(DeepSpeedSurface):
                 self.join_update()  # the previous step's update becomes the next forward's weights
             self._optimizer_step(background=delayed)
         self.global_steps += 1
+        self.strategies.reduce.end_step()
         self.ledger.close_step()
         self.timer.close_step()
         self.activations.close_step()
