@@ -104,8 +104,8 @@ class _Watched:
     def start(self, *args: Any) -> "_WatchedPending":
         return _WatchedPending(self._call("start", *args), self.rec)
 
-    def end_step(self) -> None:
-        self.inner.end_step()
+    def end_step(self, grad_scale: float = 1.0) -> None:
+        self.inner.end_step(grad_scale)
 
 
 class _WatchedPending(_Watched):

@@ -52,7 +52,7 @@ class _PendingSum:
 class Stateless:
     """The step hooks and (empty) state of a reduction that keeps nothing between steps."""
 
-    def end_step(self) -> None:
+    def end_step(self, grad_scale: float = 1.0) -> None:
         pass
 
     def state_dict(self) -> dict:

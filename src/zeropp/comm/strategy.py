@@ -70,8 +70,9 @@ class ReduceStrategy(Protocol):
         cross them); ``names`` the parameters they belong to (state kept per parameter, e.g. LoCo's errors).
         """
 
-    def end_step(self) -> None:
-        """Called after every optimizer step (LoCo counts steps to its reset)."""
+    def end_step(self, grad_scale: float = 1.0) -> None:
+        """Called after every optimizer step (LoCo counts steps to its reset); ``grad_scale``: how much larger
+        the next step's gradients are scaled than this one's (the fp16 loss scale's change, else 1)."""
 
     def state_dict(self) -> dict:
         """Training state the strategy keeps between steps (LoCo's errors), saved in checkpoints; {} if none."""

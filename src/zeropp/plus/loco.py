@@ -19,7 +19,8 @@ blocks never crossing parameters) and saved in checkpoints (``state_dict``), so 
 topology continues bit for bit; ``map_states`` carries them to another topology.
 
 Errors are kept in the units the gradient buckets hold (the micro-batch gradient, scaled by
-``1 / gradient_accumulation_steps`` and by the fp16 loss scale). A block whose compensated value is not
+``1 / gradient_accumulation_steps`` and by the fp16 loss scale); when the loss scale moves, the kept errors
+are rescaled with it (``end_step``). A block whose compensated value is not
 finite (an overflow step, which the engine skips) keeps its old error instead of a NaN one.
 """
 from __future__ import annotations
@@ -120,13 +121,18 @@ class Loco:
         new = torch.where(torch.isfinite(new), new, comp.kept)
         self.memories[stage].write(keys, new)
 
-    def end_step(self) -> None:
-        """Called after each optimizer step: zero the errors every ``reset_T`` steps."""
+    def end_step(self, grad_scale: float = 1.0) -> None:
+        """Called after each optimizer step: zero the errors every ``reset_T`` steps; else, when the fp16 loss
+        scale moved (``grad_scale`` = new / old), bring them to the new scale, as the gradients will be."""
         self.steps += 1
         if self.steps >= self.reset_T:
             self.steps = 0
             for memory in self.memories.values():
                 memory.kept.clear()
+        elif grad_scale != 1.0:
+            for memory in self.memories.values():
+                for q in memory.kept.values():
+                    q.scales.mul_(grad_scale)  # int8 codes times a scale: scaling the scales scales the values
 
     def nbytes(self) -> dict[str, int]:
         return {f"loco_{s.value}": m.nbytes() for s, m in self.memories.items()}

@@ -186,9 +186,9 @@ class QuantizedReduce:
     def buffer_bytes(self) -> dict[str, int]:
         return self.pools.buffer_bytes()
 
-    def end_step(self) -> None:
+    def end_step(self, grad_scale: float = 1.0) -> None:
         if self.loco is not None:
-            self.loco.end_step()
+            self.loco.end_step(grad_scale)
 
     def state_dict(self) -> dict:
         """LoCo's kept errors (empty without LoCo): training state, saved in checkpoints."""

@@ -458,6 +458,7 @@ class ZeroEngine(DeepSpeedSurface):
         self.micro_steps += 1
         if not boundary:
             return
+        scale_before = self.loss_scale
         with self.timer.span("optimizer"):
             if not self.plan.reduces_as_ready:
                 self._reduce_whole_gradients()
@@ -467,7 +468,7 @@ class ZeroEngine(DeepSpeedSurface):
                 self.join_update()  # the previous step's update becomes the next forward's weights
             self._optimizer_step(background=delayed)
         self.global_steps += 1
-        self.strategies.reduce.end_step()
+        self.strategies.reduce.end_step(self.loss_scale / scale_before)
         self.ledger.close_step()
         self.timer.close_step()
         self.activations.close_step()
