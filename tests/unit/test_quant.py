@@ -25,8 +25,8 @@ from zeropp.quant import blockwise as spec
 from zeropp.quant import dispatch, fast
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BITS = (8, 4)
-QMAX = {8: 127, 4: 7}
+BITS = (8, 4, 2)
+QMAX = {8: 127, 4: 7, 2: 1}
 # Unit roundoff of the output dtype (half an ulp relative to |y|) and its smallest subnormal.
 UNIT_ROUNDOFF = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 MIN_SUBNORMAL = {torch.float32: 0.0, torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}
@@ -115,8 +115,8 @@ def test_all_zero_round_trip_is_exact(dtype, bits):
     for impl_q, impl_dq in ((spec.quantize, spec.dequantize), (quantize, dequantize)):
         q = impl_q(x, layout, bits)
         assert bool((q.scales[0] == 0).all()) and q.scales[1, 0] == 0 and q.scales[1, -1] == 0
-        zero_byte = 0 if bits == 8 else 0x88  # int4 stores q + 8 = 8 in both nibbles
-        assert bool((q.data[0] == zero_byte).all())  # numel is even: no padding nibble in this row
+        zero_byte = {8: 0, 4: 0x88, 2: 0xAA}[bits]  # int4 stores q + 8 = 8 per nibble, int2 q + 2 = 2 per crumb
+        assert bool((q.data[0] == zero_byte).all())  # numel is a multiple of 4: no padding in this row
         y = impl_dq(q, layout, bits, dtype)
         assert not bool(y.isnan().any())
         assert torch.equal(y[0], x[0]) and torch.equal(y[1, :5], x[1, :5]) and torch.equal(y[1, 69:], x[1, 69:])
@@ -144,6 +144,22 @@ def test_int4_packing_order_and_padding():
     assert q.data.tolist() == [[0x1F, 0x0F]]
 
 
+def test_int2_packing_order_and_padding():
+    layout = BlockLayout((5,), 6)
+    x = torch.tensor([1.0, -1.0, 0.0, 0.6, -0.4])  # scale 1 -> q = [1, -1, 0, 1, 0] -> crumbs [3, 1, 2, 3, 2]
+    for impl_q, impl_dq in ((spec.quantize, spec.dequantize), (quantize, dequantize)):
+        q = impl_q(x, layout, 2)
+        assert q.scales.tolist() == [[1.0]]
+        # element 4k + i in bits 2i, 2i + 1; the row's last byte holds one crumb and zero padding
+        assert q.data.tolist() == [[3 | 1 << 2 | 2 << 4 | 3 << 6, 2]]
+        assert impl_dq(q, layout, 2, torch.float32).tolist() == [[1.0, -1.0, 0.0, 1.0, 0.0]]
+
+
+def test_one_bit_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="no 1-bit code"):
+        quantize(torch.ones(4), BlockLayout((4,), 4), 1)
+
+
 def test_payload_bytes_and_layout():
     layout = BlockLayout((3, 0, 130, 0, 64, 7), 16)
     assert layout.numel == 204 and layout.num_blocks == 1 + 9 + 4 + 1
@@ -155,8 +171,9 @@ def test_payload_bytes_and_layout():
     for bad in (((4,), 3), ((4,), 0), ((-1,), 4)):
         with pytest.raises(ValueError):
             BlockLayout(*bad)
+    assert payload_bytes(layout, 2) == 51 and payload_bytes(BlockLayout((7,), 2), 2) == 2
     with pytest.raises(ValueError):
-        payload_bytes(layout, 2)
+        payload_bytes(layout, 3)
 
 
 def test_block_never_straddles_segments():

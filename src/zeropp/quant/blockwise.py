@@ -5,12 +5,15 @@ Every other implementation (``fast.py``, future GPU kernels) must give bit-ident
 Format (one row; G rows share a ``BlockLayout`` and are independent, so callers can split the data and scales
 evenly across ranks for all-to-all / all-gather):
 
-* per block: ``absmax = max |x|``; fp32 ``scale = absmax / qmax`` (qmax 127 for int8, 7 for int4);
+* per block: ``absmax = max |x|``; fp32 ``scale = absmax / qmax`` (qmax 127 for int8, 7 for int4, 1 for int2);
   ``q = clamp(round_half_to_even(x / scale), -qmax, qmax)`` computed in fp32 (a true division, never
   ``x * (1 / scale)``, which differs in the last bit for some inputs). An all-zero block has scale 0 and q 0.
 * int8: q as its two's-complement byte, stored in a uint8 tensor (so it can travel on gloo as uint8).
 * int4: ``q + 8`` in a nibble, two per byte, element 2k in the low nibble and 2k+1 in the high nibble; when
   numel is odd the row ends with one zero nibble of padding.
+* int2: ``q + 2`` (1, 2 or 3) in two bits, four per byte, element 4k + i in bits 2i and 2i + 1; a row whose
+  numel is not a multiple of 4 ends with zero bits of padding. (1 bit has no symmetric code: qmax would be 0.)
+  The C and Triton kernels cover int8 and int4; int2 runs this specification on every device.
 * dequantize: ``q * scale`` in fp32, then cast (round to nearest even) to the requested dtype.
 
 Non-finite input (inf or nan) raises ``NonFiniteInputError`` naming the first offending row and segment; the
@@ -44,7 +47,7 @@ __all__ = [
     "quantize",
 ]
 
-QMAX = {8: 127, 4: 7}
+QMAX = {8: 127, 4: 7, 2: 1}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -65,9 +68,10 @@ class NonFiniteInputError(ValueError):
 
 
 def check_bits(bits: int) -> int:
-    """Return qmax for ``bits`` (8 or 4) or raise ValueError."""
+    """Return qmax for ``bits`` (8, 4 or 2) or raise ValueError."""
     if bits not in QMAX:
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+        why = " (symmetric quantization has no 1-bit code: qmax = 2**0 - 1 = 0)" if bits == 1 else ""
+        raise ValueError(f"bits must be 8, 4 or 2, got {bits!r}{why}")
     return QMAX[bits]
 
 
@@ -158,6 +162,12 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """int8 codes [G, numel] -> uint8 payload [G, payload_bytes]."""
     if bits == 8:
         return q.view(torch.uint8)
+    if bits == 2:
+        crumbs = (q + 2).to(torch.uint8)
+        pad = -crumbs.shape[1] % 4
+        if pad:
+            crumbs = torch.nn.functional.pad(crumbs, (0, pad))
+        return crumbs[:, 0::4] | (crumbs[:, 1::4] << 2) | (crumbs[:, 2::4] << 4) | (crumbs[:, 3::4] << 6)
     nib = (q + 8).to(torch.uint8)
     if nib.shape[1] % 2:  # odd numel: pad the row with one zero nibble
         nib = torch.nn.functional.pad(nib, (0, 1))
@@ -168,6 +178,9 @@ def _unpack(data: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     """uint8 payload [G, payload_bytes] -> int8 codes [G, numel]."""
     if bits == 8:
         return data.view(torch.int8)
+    if bits == 2:
+        crumbs = torch.stack([(data >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).reshape(data.shape[0], -1)
+        return crumbs[:, :numel].to(torch.int8) - 2
     nib = torch.stack((data & 15, data >> 4), dim=-1).reshape(data.shape[0], -1)[:, :numel]
     return nib.to(torch.int8) - 8
 
@@ -179,7 +192,7 @@ def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows
     Args:
         x: [G, numel] or [numel] (one row), float32 / bfloat16 / float16, any device.
         layout: block structure shared by every row.
-        bits: 8 (int8) or 4 (int4, two per byte).
+        bits: 8 (int8), 4 (int4, two per byte) or 2 (int2, four per byte).
         out: optional preallocated QuantizedRows (e.g. views of a collective's send buffer: data rows may be
             strided) to write into; its contents are unspecified if an error is raised.
         poison: give blocks holding inf/nan a NaN scale (codes as if those elements were 0) instead of raising.

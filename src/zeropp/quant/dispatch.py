@@ -4,6 +4,7 @@
   ``ZEROPP_QUANT_TRITON`` is not ``0``; else the spec.
 * CPU tensors: the C kernel (``fast.py``) when it built and passed its self-test (``ZEROPP_QUANT_FAST=0``
   turns it off); else the spec.
+* int2 (qgZ with LoCo) runs the spec everywhere: the kernels pack int8 and int4 only.
 
 triton is imported on the first CUDA call only: ``import zeropp`` stays free of its ~0.5 s import.
 """
@@ -55,10 +56,15 @@ def _on_cuda(*tensors: torch.Tensor | None) -> bool:
     return any(t is not None and t.is_cuda for t in tensors)
 
 
+def _triton_for(bits: int, *tensors: torch.Tensor | None) -> ModuleType | None:
+    """The Triton module for CUDA tensors of a width its kernels pack (int8, int4), else None."""
+    return _triton_path() if bits in (8, 4) and _on_cuda(*tensors) else None
+
+
 def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None, *,
              poison: bool = False) -> QuantizedRows:
     """``blockwise.quantize`` on the fastest path for the device of ``x``."""
-    tp = _triton_path() if _on_cuda(x) else None
+    tp = _triton_for(bits, x)
     if tp is not None:
         return tp.quantize(x, layout, bits, out, poison=poison)
     return fast.quantize(x, layout, bits, out, poison=poison)
@@ -67,7 +73,7 @@ def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows
 def dequantize(q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch.dtype,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """``blockwise.dequantize`` on the fastest path for the device of ``q``."""
-    tp = _triton_path() if _on_cuda(q.data) else None
+    tp = _triton_for(bits, q.data)
     if tp is not None:
         return tp.dequantize(q, layout, bits, dtype, out)
     return fast.dequantize(q, layout, bits, dtype, out)
@@ -76,7 +82,7 @@ def dequantize(q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch.dt
 def dequantize_sum(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int, out: torch.Tensor | None = None,
                    divisor: float | None = None) -> torch.Tensor:
     """``blockwise.dequantize_sum`` on the fastest path for the device of ``q``."""
-    tp = _triton_path() if _on_cuda(q.data) else None
+    tp = _triton_for(bits, q.data)
     if tp is not None:
         return tp.dequantize_sum(q, layout, bits, pieces, out, divisor)
     return fast.dequantize_sum(q, layout, bits, pieces, out, divisor)
@@ -85,7 +91,7 @@ def dequantize_sum(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int
 def dequantize_sum_quantize(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int,
                             out: QuantizedRows | None = None, *, poison: bool = False) -> QuantizedRows:
     """``blockwise.dequantize_sum_quantize`` on the fastest path for the device of ``q``."""
-    tp = _triton_path() if _on_cuda(q.data) else None
+    tp = _triton_for(bits, q.data)
     if tp is not None:
         return tp.dequantize_sum_quantize(q, layout, bits, pieces, out, poison=poison)
     return fast.dequantize_sum_quantize(q, layout, bits, pieces, out, poison=poison)

@@ -573,6 +573,11 @@ def _all_cpu(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.device.type == "cpu" for t in tensors)
 
 
+def _kernel_bits(bits: int) -> bool:
+    """The C kernel packs int8 and int4; int2 runs the spec (``blockwise.py``)."""
+    return bits in (8, 4)
+
+
 def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None, *,
              poison: bool = False) -> QuantizedRows:
     """Same contract as ``blockwise.quantize``; uses the C kernel for CPU inputs when available."""
@@ -581,7 +586,7 @@ def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows
     if out is not None:
         spec.check_quantize_out(out, rows.shape[0], layout, bits)
     on_cpu = _all_cpu(rows, *(out if out is not None else ()))
-    if not on_cpu or not fast_available():
+    if not on_cpu or not fast_available() or not _kernel_bits(bits):
         return spec.quantize(x, layout, bits, out, poison=poison)
     return _quantize_c(rows, layout, bits, out, poison)
 
@@ -592,7 +597,7 @@ def dequantize(q: QuantizedRows, layout: BlockLayout, bits: int, dtype: torch.dt
     g = spec.check_dequantize_args(q, layout, bits, dtype)
     if out is not None:
         spec.check_out(out, g, layout, dtype)
-    if not _all_cpu(q.data, q.scales, out) or not fast_available():
+    if not _all_cpu(q.data, q.scales, out) or not fast_available() or not _kernel_bits(bits):
         return spec.dequantize(q, layout, bits, dtype, out)
     return _dequantize_c(q, layout, bits, dtype, out)
 
@@ -601,7 +606,7 @@ def dequantize_sum(q: QuantizedRows, layout: BlockLayout, bits: int, pieces: int
                    divisor: float | None = None) -> torch.Tensor:
     """Same contract as ``blockwise.dequantize_sum``; uses the C kernel for CPU inputs when available."""
     rows, div = spec.check_sum_args(q, layout, bits, pieces, out, divisor)
-    if not _all_cpu(q.data, q.scales, out) or not fast_available():
+    if not _all_cpu(q.data, q.scales, out) or not fast_available() or not _kernel_bits(bits):
         return spec.dequantize_sum(q, layout, bits, pieces, out, divisor)
     return _dequantize_sum_c(q, layout, bits, pieces, out, div)
 
@@ -614,6 +619,6 @@ def dequantize_sum_quantize(q: QuantizedRows, layout: BlockLayout, bits: int, pi
     if out is not None:
         spec.check_quantize_out(out, rows, layout, bits)
     on_cpu = _all_cpu(q.data, q.scales, *(out if out is not None else ()))
-    if not on_cpu or not fast_available():
+    if not on_cpu or not fast_available() or not _kernel_bits(bits):
         return spec.dequantize_sum_quantize(q, layout, bits, pieces, out, poison=poison)
     return _sum_quantize_c(q, layout, bits, pieces, out, poison)

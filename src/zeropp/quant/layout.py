@@ -78,12 +78,11 @@ class BlockLayout:
 
 
 def payload_bytes(layout: BlockLayout, bits: int) -> int:
-    """Bytes of quantized data for one row: int8 -> numel, int4 -> ceil(numel / 2) (two nibbles a byte)."""
-    if bits == 8:
-        return layout.numel
-    if bits == 4:
-        return (layout.numel + 1) // 2
-    raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    """Bytes of quantized data for one row: int8 -> numel, int4 -> ceil(numel / 2) (two nibbles a byte),
+    int2 -> ceil(numel / 4) (four 2-bit codes a byte)."""
+    if bits in (8, 4, 2):
+        return -(-layout.numel * bits // 8)
+    raise ValueError(f"bits must be 8, 4 or 2, got {bits!r}")
 
 
 class LayoutIndex(NamedTuple):
