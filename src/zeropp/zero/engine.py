@@ -725,7 +725,8 @@ class ZeroEngine(DeepSpeedSurface):
         ``gathered_params`` are full weights (resident in stages 0-2; 0 between steps in stage 3),
         ``full_grads`` whole gradients accumulating before the boundary (stages 0-1) and ``bucket_grads`` whole
         gradients waiting in reduce buckets and reduced rows still on their way to the host (during
-        backward). ``shard_16bit`` includes the host row staged for upload under optimizer offload from a
+        backward), ``reduce_state`` what the reduce strategy keeps between steps (LoCo's errors).
+        ``shard_16bit`` includes the host row staged for upload under optimizer offload from a
         separate device. Tensors offloaded to NVMe hold no memory and
         count 0 here (see :meth:`offload_report`).
 
@@ -758,6 +759,7 @@ class ZeroEngine(DeepSpeedSurface):
                     out["optimizer_state"] += size(t)
         held = self.strategies.forward_gather.held_tensors() + self.strategies.backward_gather.held_tensors()
         out["hpz_secondary"] = sum(size(t) for t in held)
+        out["reduce_state"] = sum(size(t) for t in _tensors_in(self.strategies.reduce.state_dict()))
         out["total"] = sum(out.values())
         return out
 
@@ -772,3 +774,14 @@ class ZeroEngine(DeepSpeedSurface):
         """Wait for a delayed update and delete the NVMe offload files (also done at interpreter exit)."""
         self.join_update()
         self.residency.close()
+
+
+def _tensors_in(state: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested dicts, lists and tuples (a strategy's ``state_dict()``)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors_in(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors_in(v)]
+    return []
