@@ -14,7 +14,7 @@ from support.world import run_world
 from zeropp import topology
 from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
-from zeropp.plus.loco import Loco, Stage
+from zeropp.plus.loco import BucketKeys, Loco, Shape, Stage, element_debt, map_states
 from zeropp.plus.qgz import QuantizedReduce
 
 STEPS = 12
@@ -94,7 +94,6 @@ def test_kept_errors_are_what_each_rank_quantizes() -> None:
 
 def test_reset_every_T_steps() -> None:
     loco = Loco(0.5, 3, BLOCK)
-    from zeropp.plus.loco import BucketKeys
     keys = BucketKeys(("a",), (10,))
     comp = loco.compensate(Stage.FIRST, keys, torch.ones(2, 10))
     loco.keep(Stage.FIRST, keys, comp, torch.zeros(2, 10))
@@ -107,7 +106,6 @@ def test_reset_every_T_steps() -> None:
 
 
 def test_non_finite_values_keep_the_old_error() -> None:
-    from zeropp.plus.loco import BucketKeys
     loco = Loco(0.0, 100, BLOCK)
     keys = BucketKeys(("a",), (4,))
     comp = loco.compensate(Stage.FIRST, keys, torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
@@ -119,22 +117,10 @@ def test_non_finite_values_keep_the_old_error() -> None:
     assert float(kept[0, 0]) == pytest.approx(0.5, rel=0.01)
 
 
-def _debt(states: list[dict], shape, numel: int) -> torch.Tensor:
-    """Per element: what every kept error adds to the next mean, sum(e) / W (Note [mapping kept errors])."""
-    from zeropp.plus.loco import _dense, _second_debt
-    total = _second_debt(states, shape, "w", numel).clone()
-    for s in states:
-        e = _dense(s, Stage.FIRST, "w", BLOCK)
-        if e is not None:
-            total += e.reshape(-1)[:numel]
-    return total / shape.world
-
-
 @pytest.mark.parametrize("new", [(1, 2), (2, 1), (3, 2), (2, 2), (1, 4)])
 def test_mapping_keeps_each_elements_debt(new: tuple[int, int]) -> None:
     """4 ranks as 2x2 -> another topology: per element, sum(e) / W over all kept errors is preserved (to the
     int8 storage's rounding)."""
-    from zeropp.plus.loco import BucketKeys, Shape, map_states
     numel, old_shape = 203, Shape(2, 2)
     g = torch.Generator().manual_seed(3)
     old = []
@@ -149,7 +135,8 @@ def test_mapping_keeps_each_elements_debt(new: tuple[int, int]) -> None:
     chunk = max(2, 2 * -(-numel // (2 * new_shape.world)))  # ShardSpec.chunk
     mapped = [map_states(old, old_shape, new_shape, r, {"w": (numel, chunk)}, BLOCK) for r in range(new_shape.world)]
     assert all(m["steps"] == 5 for m in mapped)
-    torch.testing.assert_close(_debt(mapped, new_shape, numel), _debt(old, old_shape, numel), atol=0.05, rtol=0)
+    torch.testing.assert_close(element_debt(mapped, new_shape, "w", numel), element_debt(old, old_shape, "w", numel),
+                               atol=0.05, rtol=0)
     rows = new_shape.nodes if new_shape.has_second else None
     for m in mapped:
         assert m["first"]["w"][0].shape[0] == new_shape.world
@@ -158,7 +145,6 @@ def test_mapping_keeps_each_elements_debt(new: tuple[int, int]) -> None:
 
 def test_a_new_loss_scale_rescales_the_kept_errors() -> None:
     """fp16: errors are kept in loss-scaled units; when the scale halves, so must they."""
-    from zeropp.plus.loco import BucketKeys
     loco = Loco(0.0, 100, BLOCK)
     keys = BucketKeys(("a",), (4,))
     comp = loco.compensate(Stage.FIRST, keys, torch.tensor([[1.0, 2.0, 3.0, 4.0]]))

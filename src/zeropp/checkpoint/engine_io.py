@@ -10,8 +10,9 @@ What a shard file holds, and why it is enough to continue bit for bit: the fp32 
 parameter (the 16-bit shard is recast from it, as every optimizer step does), the optimizer's
 ``state_dict()`` over the master views, the scheduler's ``state_dict()``, the engine's micro/global step
 counters, the torch (CPU and CUDA), Python and NumPy RNG states, the model's buffers, the caller's
-``client_state`` and — only when saved between accumulation boundaries — the partly accumulated gradient
-shards. hpZ secondary copies and gathered weights are derived state: loading bumps every unit's version
+``client_state``, the reduce strategy's state with the topology it was kept on (LoCo's errors: restored as
+saved on the same topology, mapped on another by ``plus/loco.map_states``) and — only when saved between
+accumulation boundaries — the partly accumulated gradient shards. hpZ secondary copies and gathered weights are derived state: loading bumps every unit's version
 (Note [secondary staleness]) so they are rebuilt from the loaded masters.
 
 Elastic resume: on a different world size each rank rebuilds its new chunk of every master and of every

@@ -21,7 +21,9 @@ topology continues bit for bit; ``map_states`` carries them to another topology.
 Errors are kept in the units the gradient buckets hold (the micro-batch gradient, scaled by
 ``1 / gradient_accumulation_steps`` and by the fp16 loss scale); when the loss scale moves, the kept errors
 are rescaled with it (``end_step``). A block whose compensated value is not
-finite (an overflow step, which the engine skips) keeps its old error instead of a NaN one.
+finite (an overflow step, which the engine skips) keeps its old error instead of a NaN one. The fp32
+temporaries of a compensated bucket (``x``, the kept and the decoded values) are allocated per bucket: LoCo
+is not on the pooled hot path of Note [buffer pool].
 """
 from __future__ import annotations
 
@@ -252,3 +254,14 @@ def _pad(flat: torch.Tensor, size: int) -> torch.Tensor:
     out = torch.zeros(size)
     out[: flat.numel()] = flat
     return out
+
+
+def element_debt(states: list[dict], shape: Shape, name: str, numel: int) -> torch.Tensor:
+    """Per element of parameter ``name``: ``sum(e) / W`` over every rank's kept errors (``states``, one
+    ``Loco.state_dict()`` per rank of ``shape``): what they add to the next mean. ``map_states`` keeps it."""
+    total = _second_debt(states, shape, name, numel).clone()
+    for state in states:
+        e = _dense(state, Stage.FIRST, name, int(state["block"]))
+        if e is not None:
+            total += e.reshape(-1)[:numel]
+    return total / shape.world

@@ -1,0 +1,35 @@
+"""Smoke test of ``bench/convergence_loco.py`` (3 steps, the two int2 runs): the script runs end to end, writes
+its JSON and plot, and the bytes it reports for int2 are the qgZ formula at 2 bits with blocks of 64."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from zeropp import accounting
+from zeropp.demo.model import GPT, GPTConfig
+from zeropp.topology import Layout
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "convergence_loco.py"
+
+
+def test_int2_runs_write_results_with_formula_bytes(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, str(BENCH), "--steps", "3", "--only", "int2_loco", "int2", "--out", str(tmp_path),
+           "--tag", "_smoke"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    result = json.loads((tmp_path / "convergence_loco_smoke.json").read_text())
+    assert (tmp_path / "convergence_loco_smoke.png").stat().st_size > 0
+    summary = result["summary"]
+    assert set(summary["final_loss"]) == {"int2_loco", "int2"} and summary["int2_block"] == 64
+    assert all(len(v) == 3 for v in result["losses"].values())
+    model = GPT(GPTConfig(block_size=64))
+    numels = [p.numel() for p in model.parameters()]
+    want = accounting.qgz_volume(numels, Layout(4, 2), 0, 2, 64)
+    for name in ("int2_loco", "int2"):  # LoCo adds no byte
+        got = summary["grad_reduce_bytes_per_step"][name]
+        assert got == {"inter_node": want.inter_node_bytes, "intra_node": want.intra_node_bytes}, name
