@@ -3,11 +3,11 @@ with and without ``zeropp_loco_param``; same seed, data and schedule.
 
     python bench/convergence_loco.py [--steps 300] [--micro-batch 4] [--seq 64] [--out bench/results]
 
-Runs (2 simulated nodes x 2 ranks; micro-batch 4 x 64 tokens per rank by default, an eighth of the demo's 8 x 128,
-so that five 300-step runs fit in about 15 minutes on a 2-core machine; the demo's built-in config otherwise): ``zero3`` (qwZ, hpZ, qgZ off),
-``int4`` (the demo's ZeRO++: qwZ int8 + hpZ + qgZ int4, blocks of 2048), ``int4_loco``, ``int2_loco``, ``int2``
-(both int2 runs with blocks of 64). LoCo uses
-DeepSpeed's defaults (err_beta 0.8, reset_T 1024). Writes ``convergence_loco.json`` (curves, final losses =
+Runs (2 simulated nodes x 2 ranks; micro-batch 4 x 64 tokens per rank by default, an eighth of the demo's
+8 x 128, so that five 300-step runs take about 20 minutes on a 2-core machine; the demo's built-in config
+otherwise): ``zero3`` (qwZ, hpZ, qgZ off), ``int4`` (the demo's ZeRO++: qwZ int8 + hpZ + qgZ int4, blocks of
+2048), ``int4_loco``, ``int2_loco``, ``int2`` (both int2 runs with blocks of 64, ``--int2-block``). LoCo
+uses DeepSpeed's defaults (err_beta 0.8, reset_T 1024). Writes ``convergence_loco.json`` (curves, final losses =
 mean of the last 20 steps, gradient-reduction bytes per step from the ledger) and ``convergence_loco.png``.
 Targets: int4 + LoCo ends closer to ZeRO-3 than int4; int2 + LoCo within 2% of ZeRO-3.
 """

@@ -65,8 +65,8 @@ def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
         store = SecondaryStore()  # shared: a slice cut after forward serves backward
         forward, backward = HpzGather(comm, forward, store), HpzGather(comm, backward, store)
     reduce = (
-        QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block, _loco(zero)) if zero.zero_quantized_gradients
-        else AllToAllReduceScatter(comm)
+        QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block, _loco(zero))
+        if zero.zero_quantized_gradients else AllToAllReduceScatter(comm)
     )
     return Strategies(forward, backward, reduce)
 

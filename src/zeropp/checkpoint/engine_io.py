@@ -12,8 +12,9 @@ parameter (the 16-bit shard is recast from it, as every optimizer step does), th
 counters, the torch (CPU and CUDA), Python and NumPy RNG states, the model's buffers, the caller's
 ``client_state``, the reduce strategy's state with the topology it was kept on (LoCo's errors: restored as
 saved on the same topology, mapped on another by ``plus/loco.map_states``) and — only when saved between
-accumulation boundaries — the partly accumulated gradient shards. hpZ secondary copies and gathered weights are derived state: loading bumps every unit's version
-(Note [secondary staleness]) so they are rebuilt from the loaded masters.
+accumulation boundaries — the partly accumulated gradient shards. hpZ secondary copies and gathered weights
+are derived state: loading bumps every unit's version (Note [secondary staleness]) so they are rebuilt from
+the loaded masters.
 
 Elastic resume: on a different world size each rank rebuilds its new chunk of every master and of every
 optimizer state laid out like the chunk (Adam's ``exp_avg``/``exp_avg_sq``) by streaming the old shard
