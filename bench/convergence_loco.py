@@ -99,6 +99,7 @@ def main() -> int:
     p.add_argument("--int2-block", type=int, default=64, help="quantization block size of the int2 runs")
     p.add_argument("--err-beta", type=float, default=LOCO["err_beta"], help="LoCo's err_beta in the LoCo runs")
     p.add_argument("--tag", default="", help="suffix of the output files (exploratory runs)")
+    p.add_argument("--no-plot", action="store_true", help="write the JSON only (matplotlib is in the bench extra)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--only", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     args = p.parse_args()
@@ -117,7 +118,8 @@ def main() -> int:
     }
     with open(os.path.join(args.out, f"convergence_loco{args.tag}.json"), "w") as f:
         json.dump({"summary": summary, "losses": {n: r["losses"] for n, r in runs.items()}}, f, indent=1)
-    plot({n: r["losses"] for n, r in runs.items()}, os.path.join(args.out, f"convergence_loco{args.tag}.png"))
+    if not args.no_plot:
+        plot({n: r["losses"] for n, r in runs.items()}, os.path.join(args.out, f"convergence_loco{args.tag}.png"))
     print(json.dumps(summary, indent=1))
     if ref is None or not {"int4", "int4_loco", "int2_loco"} <= finals.keys():
         return 0

@@ -1,5 +1,6 @@
 """Smoke test of ``bench/convergence_loco.py`` (3 steps, the two int2 runs): the script runs end to end, writes
-its JSON and plot, and the bytes it reports for int2 are the qgZ formula at 2 bits with blocks of 64."""
+its JSON (the plot needs matplotlib, which is in the bench extra, not the test install), and the bytes it
+reports for int2 are the qgZ formula at 2 bits with blocks of 64."""
 from __future__ import annotations
 
 import json
@@ -19,11 +20,11 @@ def test_int2_runs_write_results_with_formula_bytes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, str(BENCH), "--steps", "3", "--only", "int2_loco", "int2", "--out", str(tmp_path),
-           "--tag", "_smoke"]
+           "--tag", "_smoke", "--no-plot"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     result = json.loads((tmp_path / "convergence_loco_smoke.json").read_text())
-    assert (tmp_path / "convergence_loco_smoke.png").stat().st_size > 0
+    assert not (tmp_path / "convergence_loco_smoke.png").exists()
     summary = result["summary"]
     assert set(summary["final_loss"]) == {"int2_loco", "int2"} and summary["int2_block"] == 64
     assert all(len(v) == 3 for v in result["losses"].values())
