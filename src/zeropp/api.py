@@ -27,6 +27,7 @@ from zeropp.config_auto import AutoValues
 from zeropp.offload.link import build_link
 from zeropp.offload.residency import build_residency
 from zeropp.optim import build_optimizer, build_scheduler
+from zeropp.plus.frozen import FrozenApart, FrozenGather, QuantizedFrozenUnits
 from zeropp.plus.hpz import HpzGather, SecondaryStore
 from zeropp.plus.loco import Loco
 from zeropp.plus.qgz import QuantizedReduce
@@ -68,7 +69,13 @@ def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
         QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block, _loco(zero))
         if zero.zero_quantized_gradients else AllToAllReduceScatter(comm)
     )
-    return Strategies(forward, backward, reduce)
+    if not zero.zero_quantized_nontrainable_weights:
+        return Strategies(forward, backward, reduce)
+    # Note [quantized frozen weights]: one frozen gather (and hpZ copy) serves both passes
+    hpz = comm.topo.hpz if zero.zero_hpz_partition_size > 1 else None
+    frozen = FrozenGather(comm, hpz)
+    return Strategies(FrozenApart(forward, frozen), FrozenApart(backward, frozen, reports_frozen=False), reduce,
+                      QuantizedFrozenUnits(8, block))
 
 
 def _loco(zero: ZeroConfig) -> Optional[Loco]:

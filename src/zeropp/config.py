@@ -235,8 +235,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 "fp16 master weights (zeropp keeps fp32 masters); accepted: false"),
     Unsupported("zero_optimization.reduce_scatter", lambda v: v is False,
                 "false asks for all-reduce gradient averaging; accepted: true"),
-    Unsupported("zero_optimization.zero_quantized_nontrainable_weights", lambda v: v is True,
-                "storing frozen weights quantized; accepted: false"),
     Unsupported("prescale_gradients", lambda v: v is True,
                 "dividing gradients before the reduction; accepted: false"),
     Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "accepted: 1.0"),
@@ -264,7 +262,8 @@ def _lookup(cfg: BaseModel, path: str) -> Any:
     return value
 
 
-ZEROPP_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
+ZEROPP_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients",
+               "zero_quantized_nontrainable_weights")
 
 
 def _zeropp_below_stage3(cfg: ZeroppConfig) -> list[str]:
@@ -293,6 +292,9 @@ def _offload_conflicts(cfg: ZeroppConfig) -> list[str]:
         if zero.zero_hpz_partition_size > 1:
             out.append("zero_optimization.zero_hpz_partition_size: not supported with offload_param (the "
                        "secondary copy would stay in memory); accepted: 1")
+        if zero.zero_quantized_nontrainable_weights:
+            out.append("zero_optimization.zero_quantized_nontrainable_weights: not supported with offload_param "
+                       "(the frozen int8 shards stay on the compute device); accepted: false")
         if par.device == "nvme" and par.buffer_count < 2:
             out.append(f"zero_optimization.offload_param.buffer_count: at least 2 with device \"nvme\" (the "
                        f"shard being gathered and the next one); got {par.buffer_count}")

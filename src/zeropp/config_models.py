@@ -275,8 +275,10 @@ class ZeroConfig(Section):
         "block", doc="Our extension, stage 3: \"block\" gathers each child of an nn.ModuleList (a transformer "
         "layer) as one unit, like FSDP2's per-block fully_shard (fewer, larger collectives); \"module\" gathers "
         "each module's own parameters separately (smallest peak of gathered weights).")
-    zero_quantized_nontrainable_weights: bool = F(False, doc="Store frozen weights quantized. `true` is "
-                                                  "not supported yet.", status=STATUS_PARTIAL)
+    zero_quantized_nontrainable_weights: bool = F(False, doc="Stage 3: keep parameters frozen at initialize "
+                                                  "(`requires_grad=False`) only as int8 + scales (blocks of "
+                                                  "`quantization_block_size`), gathered as int8 and dequantized "
+                                                  "on arrival; no fp32 master, no 16-bit shard.")
     zeropp_loco_param: LocoConfig | None = F(None, doc="LoCo error feedback for qgZ: `{\"err_beta\": 0.8, "
                                              "\"reset_T\": 1024}` (see its section); needs "
                                              "`zero_quantized_gradients`.")

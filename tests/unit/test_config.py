@@ -283,7 +283,6 @@ def test_bf16_and_fp16_together_is_a_plain_config_error() -> None:
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, **stage3()},
      "fp16.fp16_master_weights_and_grads"),
     (stage3(reduce_scatter=False), "zero_optimization.reduce_scatter"),
-    (stage3(zero_quantized_nontrainable_weights=True), "zero_optimization.zero_quantized_nontrainable_weights"),
     ({"prescale_gradients": True, **stage3()}, "prescale_gradients"),
     ({"gradient_predivide_factor": 2.0, **stage3()}, "gradient_predivide_factor"),
     ({"optimizer": {"type": "lamb", "params": {"lr": 1}}, **stage3()}, "optimizer.type"),
@@ -337,6 +336,8 @@ def test_nvme_offload_loads_with_its_settings() -> None:
      "zero_optimization.offload_optimizer.delayed_update: not supported with offload_param device \"nvme\""),
     (stage3(offload_param={"device": "nvme", "nvme_path": "/x", "buffer_count": 1}),
      "zero_optimization.offload_param.buffer_count: at least 2 with device \"nvme\""),
+    (stage3(zero_quantized_nontrainable_weights=True, offload_param={"device": "cpu"}),
+     "zero_optimization.zero_quantized_nontrainable_weights: not supported with offload_param"),
 ])
 def test_offload_settings_that_cannot_work_together_name_the_key(raw: dict, line: str) -> None:
     err = error_of(raw)
@@ -357,7 +358,8 @@ def test_every_stage_and_fp16_load(stage: int) -> None:
 
 
 @pytest.mark.parametrize("key, value", [("zero_quantized_weights", True), ("zero_hpz_partition_size", 2),
-                                        ("zero_quantized_gradients", True)])
+                                        ("zero_quantized_gradients", True),
+                                        ("zero_quantized_nontrainable_weights", True)])
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_zeropp_switches_need_stage_3(stage: int, key: str, value: object) -> None:
     err = error_of({"zero_optimization": {"stage": stage, key: value}})

@@ -71,14 +71,17 @@ class _Param:
     optimizer_index: Optional[int]
 
 
-def _params(engine: ZeroEngine) -> list[_Param]:
+def _params(engine: ZeroEngine, writing: bool = True) -> list[_Param]:
+    """The engine's parameters; ``writing=False`` (a save) reads a frozen int8 unit's values as copies, where
+    a load gets the views it writes and ``masters_changed`` re-quantizes (``plus/frozen.py``)."""
     opt_index = {id(t): i for i, t in enumerate(p for g in engine.optimizer.param_groups for p in g["params"])}
     aliases: dict[int, list[str]] = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         aliases.setdefault(id(t), []).append(key)
     out = []
     for u in engine.units:
-        for slot, master, grad in zip(u.slots, u.master_views(), u.grad_views()):
+        masters = u.master_views() if writing else u.master_values()
+        for slot, master, grad in zip(u.slots, masters, u.grad_views()):
             out.append(_Param(slot.name, aliases.get(id(slot.param), [slot.name]), tuple(slot.spec.shape),
                               slot.spec.numel, u.index, slot.spec.chunk, master, grad, opt_index.get(id(master))))
     return out
@@ -114,6 +117,8 @@ def _shard_payload(engine: ZeroEngine, params: list[_Param], client_state: Any, 
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "reduce_state": {"shape": [engine.topo.num_nodes, engine.topo.ranks_per_node],
                          "state": engine.strategies.reduce.state_dict()},
+        # frozen units kept as int8: their exact rows (the fp32 "params" above are their dequantized values)
+        "frozen_rows": {str(u.index): u.quantized_state() for u in engine.units if u.quantized_state() is not None},
         "rng": _rng_state(),
         "buffers": {k: t.detach() for k, t in _buffers(engine).items()},
         "client_state": client_state,
@@ -181,7 +186,7 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None
     rank, save_dir = engine.topo.rank, os.path.abspath(save_dir)
     nonce = shared_nonce(engine)
     tmp_dir, final = os.path.join(save_dir, f".{tag}.tmp-{nonce}"), os.path.join(save_dir, tag)
-    params = _params(engine)
+    params = _params(engine, writing=False)
     error: Optional[BaseException] = None
     written: Optional[Written] = None
     path = os.path.join(tmp_dir, shard_name(rank))
@@ -253,6 +258,7 @@ class _Loaded:
     client_state: Any
     loss_scaler: Optional[dict] = None  # fp16 only
     reduce_state: Optional[dict] = None  # as saved, then the reduce strategy's state for this topology
+    frozen_rows: Optional[dict] = None  # same world: the int8 rows of frozen units, by unit index
 
 
 def _reduce_state(engine: ZeroEngine, manifest: Manifest, rank: int, params: list[_Param],
@@ -283,7 +289,7 @@ def _read_same_world(manifest: Manifest, rank: int, params: list[_Param]) -> _Lo
     check_shard_fits(shard, manifest.shard_path(rank), rank, params)
     return _Loaded(shard["params"], shard.get("grads"), shard["optimizer"], shard.get("scheduler"),
                    shard["counters"], shard.get("rng"), shard.get("buffers", {}), shard.get("client_state"),
-                   shard.get("loss_scaler"), shard.get("reduce_state"))
+                   shard.get("loss_scaler"), shard.get("reduce_state"), shard.get("frozen_rows"))
 
 
 def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_optimizer: bool) -> _Loaded:
@@ -311,6 +317,11 @@ def _apply(engine: ZeroEngine, params: list[_Param], loaded: _Loaded, what: "_Wh
             if key in live:
                 live[key].copy_(value)
     engine.masters_changed()  # recast 16-bit shards, drop hpZ slices, rebuild resident weights (stages 1-2)
+    for u in engine.units:  # same world: the saved int8 bytes themselves, not a re-quantization of their values
+        row = (loaded.frozen_rows or {}).get(str(u.index))
+        held = u.quantized_state()
+        if held is not None and isinstance(row, torch.Tensor) and row.shape == held.shape and row.dtype == held.dtype:
+            u.load_quantized_state(row)
     if what.module_only:
         return
     if loaded.loss_scaler is not None and engine.loss_scaler is not None:

@@ -48,6 +48,9 @@ class Unit:
     hpZ secondary copy) records the version it was made from and is stale once they differ.
     """
 
+    #: False for units that keep no fp32 master and are never stepped (``plus/frozen.py``)
+    holds_master = True
+
     def __init__(
         self,
         index: int,
@@ -136,6 +139,18 @@ class Unit:
     def master_views(self) -> list[torch.Tensor]:
         """Per-parameter views of the fp32 master row: what the optimizer steps (the same objects each call)."""
         return self._master_views
+
+    def master_values(self) -> list[torch.Tensor]:
+        """Per-parameter fp32 chunks to read (a unit without a master makes copies; nothing is kept)."""
+        return self._master_views
+
+    def quantized_state(self) -> Optional[torch.Tensor]:
+        """The int8 row a unit keeps instead of a master and a shard (``plus/frozen.py``), else None."""
+        return None
+
+    def load_quantized_state(self, row: torch.Tensor) -> None:
+        """Overwrite the int8 row that :meth:`quantized_state` returns (units that keep one)."""
+        raise TypeError(f"unit {self.module_name!r} keeps no quantized row")
 
     def shard_row(self) -> torch.Tensor:
         """This rank's row in the compute dtype: what a gather sends (derived from the master if not kept)."""

@@ -8,7 +8,7 @@ the engine hands back (``recycle``) once it copied the weights out (Note [buffer
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -30,24 +30,33 @@ class NonFiniteWeightError(FloatingPointError):
     """
 
 
-class _PendingQuantized:
+class PendingQuantized:
     """One unit's quantized gather in flight: holds its send and receive rows until ``finish``, and the
-    dequantized rows it returns until ``recycle``."""
+    dequantized rows it returns until ``recycle``.
 
-    def __init__(self, owner: "QuantizedGather", fmt: WireFormat, send: torch.Tensor, received: torch.Tensor,
-                 handle: Handle, unit: Unit) -> None:
-        self.owner, self.fmt, self.handle = owner, fmt, handle
+    ``pools`` has the roles "recv", "out" and "scales" (and "send" when ``send`` is given: a send row that
+    came from the pool; None when the strategy sent a row it keeps, e.g. a frozen unit's stored int8 row).
+    ``on_arrival`` sees the received ``[G, row_bytes]`` rows once they are complete, before they are decoded
+    and recycled (the frozen-weight hpZ copy keeps its slice of them there).
+    """
+
+    def __init__(self, pools: BufferPools, fmt: WireFormat, send: Optional[torch.Tensor], received: torch.Tensor,
+                 handle: Handle, unit: Unit, on_arrival: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        self.pools, self.fmt, self.handle = pools, fmt, handle
         self.send: Optional[torch.Tensor] = send
         self.received: Optional[torch.Tensor] = received
         self.row, self.dtype, self.names = unit.row, unit.compute_dtype, unit.segment_names()
+        self.on_arrival = on_arrival
         self.out: Optional[torch.Tensor] = None
 
     def finish(self) -> tuple[torch.Tensor, RowLayout]:
         if self.out is not None:
             return self.out, self.row
-        pools, fmt = self.owner.pools, self.fmt
+        pools, fmt = self.pools, self.fmt
         self.handle.wait()
-        assert self.send is not None and self.received is not None, "finish after a failed finish"
+        assert self.received is not None, "finish after a failed finish"
+        if self.on_arrival is not None:
+            self.on_arrival(self.received)
         g, nb = self.received.shape[0], fmt.layout.num_blocks
         numel = fmt.layout.numel
         out = pools["out"].take(g * numel, self.dtype, self.received.device).view(g, numel)
@@ -57,7 +66,8 @@ class _PendingQuantized:
             poisoned = first_poisoned(scales, fmt.layout)
         finally:
             for role, t in (("scales", scales), ("send", self.send), ("recv", self.received)):
-                pools[role].give(t)
+                if t is not None:
+                    pools[role].give(t)
             self.send = self.received = None
         if poisoned is not None:  # every rank received the same rows, so every rank raises here
             pools["out"].give(out)
@@ -71,7 +81,7 @@ class _PendingQuantized:
 
     def recycle(self) -> None:
         if self.out is not None:
-            self.owner.pools["out"].give(self.out)
+            self.pools["out"].give(self.out)
             self.out = None
 
 
@@ -94,7 +104,7 @@ class QuantizedGather:
             self._formats[unit.index] = WireFormat(BlockLayout(unit.row.chunks, self.block_size), self.bits)
         return self._formats[unit.index]
 
-    def start(self, unit: Unit, phase: Phase) -> _PendingQuantized:
+    def start(self, unit: Unit, phase: Phase) -> PendingQuantized:
         fmt = self.wire_format(unit)
         shard = unit.shard_row()
         g, rb, dev = self.group.size, fmt.row_bytes, shard.device
@@ -107,7 +117,7 @@ class QuantizedGather:
             self.pools["scales"].give(scales)
         received = self.pools["recv"].take(g * rb, torch.uint8, dev).view(g, rb)
         handle = self.comm.all_gather(received, send[0], self.group, phase, async_op=True)
-        return _PendingQuantized(self, fmt, send, received, handle, unit)
+        return PendingQuantized(self.pools, fmt, send, received, handle, unit)
 
     def on_release(self, unit: Unit) -> None:
         pass

@@ -24,7 +24,7 @@ import math
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
@@ -72,6 +72,13 @@ class StagePlan:
         return self.stage == 3
 
 
+class FrozenUnits(Protocol):
+    """Builds the units of parameters frozen at ``initialize`` (``plus/frozen.py``: kept as int8 only)."""
+
+    def make_unit(self, index: int, module_name: str, named_params: list[tuple[str, nn.Parameter]], world: int,
+                  rank: int, compute_dtype: torch.dtype) -> Unit: ...
+
+
 @dataclass(frozen=True)
 class Strategies:
     """How weights are gathered in each pass and how gradients are reduced."""
@@ -79,6 +86,7 @@ class Strategies:
     forward_gather: GatherStrategy
     backward_gather: GatherStrategy
     reduce: ReduceStrategy
+    frozen_units: Optional[FrozenUnits] = None  # stage 3: units for frozen parameters (None: plain units)
 
 
 @dataclass(frozen=True)
@@ -167,7 +175,11 @@ class ZeroEngine(DeepSpeedSurface):
         self.loss_scaler = policy.loss_scaler
         self._cast_buffers(policy.compute_dtype)
         self.shard_world = topo.world_size if self.plan.shards_optimizer else 1
+        if strategies.frozen_units is not None and (not self.plan.shards_weights or policy.offload_param):
+            raise ValueError("zero_quantized_nontrainable_weights: frozen weights are kept quantized in stage 3's "
+                             "shards on the compute device; it needs stage 3 without offload_param")
         self.units, trainable = self._build_units(module, param_init_fn, trainable)
+        self._stepped = [u for u in self.units if u.holds_master]  # units with masters, gradients, a step
         # stage 3: reads of a parameter outside its unit's forward (Note [external reads])
         self.use = ParamUse(module, self.units, lambda u: self._gather(u, self._pass()),
                             lambda u: self._release(u, self._pass()),
@@ -178,7 +190,7 @@ class ZeroEngine(DeepSpeedSurface):
             self._gather_resident(Phase.OTHER)
         masters = [
             (slot.name, view)
-            for u in self.units
+            for u in self._stepped
             for slot, view in zip(u.slots, u.master_views())
             if slot.param.requires_grad and (trainable is None or id(slot.param) in trainable)
         ]
@@ -225,33 +237,50 @@ class ZeroEngine(DeepSpeedSurface):
         """
         shard_rank = self.topo.rank if self.plan.shards_optimizer else 0
         meta = MetaMaterializer(module, param_init_fn) if MetaMaterializer.needed(module) else None
-        units = []
-        for i, plan in enumerate(plan_units(module, self.policy.gather_granularity)):
+        units: list[Unit] = []
+        for plan in plan_units(module, self.policy.gather_granularity):
             if meta is not None:
                 plan = meta.realize(plan)
-            # A delayed update writes the masters while the next forward gathers the shard, and NVMe moves
-            # shards and masters separately: never alias them then. Masters on NVMe: keep a 16-bit shard to
-            # rebuild resident weights from (stages 1-2).
-            swaps = self.residency.swaps_shards or self.residency.swaps_states
-            unit = Unit(i, plan.module_name, plan.params, self.shard_world, shard_rank,
-                        self.policy.compute_dtype,
-                        keep_shard=self.plan.shards_weights or self.residency.swaps_states,
-                        alias_fp32_shard=self.policy.delayed_update_after is None and not swaps,
-                        host_masters=self.policy.offload_optimizer, host_shard=self.policy.offload_param,
-                        host_zeros=self.link.host_zeros, staged_copy_back=self.link.distinct)
-            self.residency.adopt(unit)
-            if self.plan.shards_weights:
-                plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
-                plan.module.register_forward_hook(self._make_post_forward(unit))
-            for slot_index, slot in enumerate(unit.slots):
-                if slot.param.requires_grad and self.plan.reduces_as_ready:
-                    slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
-            units.append(unit)
+            for params, frozen in self._split_frozen(plan.params):
+                unit = self._make_unit(len(units), plan.module_name, params, frozen, shard_rank)
+                self.residency.adopt(unit)
+                if self.plan.shards_weights:
+                    plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
+                    plan.module.register_forward_hook(self._make_post_forward(unit))
+                for slot_index, slot in enumerate(unit.slots):
+                    if slot.param.requires_grad and self.plan.reduces_as_ready:
+                        slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
+                units.append(unit)
         if meta is not None:
             meta.finish()
             if trainable is not None:
                 trainable = {id(meta.replaced[pid]) if pid in meta.replaced else pid for pid in trainable}
         return units, trainable
+
+    def _split_frozen(self, params: list[tuple[str, nn.Parameter]]) -> list[tuple[list, bool]]:
+        """One module's parameters as ``(params, frozen)`` unit contents: all of them in one plain unit, or,
+        when frozen units are built apart (``Strategies.frozen_units``), the trainable and the frozen ones."""
+        if self.strategies.frozen_units is None:
+            return [(params, False)]
+        trainable = [(n, p) for n, p in params if p.requires_grad]
+        frozen = [(n, p) for n, p in params if not p.requires_grad]
+        return [(part, part is frozen) for part in (trainable, frozen) if part]
+
+    def _make_unit(self, index: int, module_name: str, params: list[tuple[str, nn.Parameter]], frozen: bool,
+                   shard_rank: int) -> Unit:
+        if frozen:
+            assert self.strategies.frozen_units is not None
+            return self.strategies.frozen_units.make_unit(index, module_name, params, self.shard_world, shard_rank,
+                                                          self.policy.compute_dtype)
+        # A delayed update writes the masters while the next forward gathers the shard, and NVMe moves
+        # shards and masters separately: never alias them then. Masters on NVMe: keep a 16-bit shard to
+        # rebuild resident weights from (stages 1-2).
+        swaps = self.residency.swaps_shards or self.residency.swaps_states
+        return Unit(index, module_name, params, self.shard_world, shard_rank, self.policy.compute_dtype,
+                    keep_shard=self.plan.shards_weights or self.residency.swaps_states,
+                    alias_fp32_shard=self.policy.delayed_update_after is None and not swaps,
+                    host_masters=self.policy.offload_optimizer, host_shard=self.policy.offload_param,
+                    host_zeros=self.link.host_zeros, staged_copy_back=self.link.distinct)
 
     def _gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
@@ -504,7 +533,7 @@ class ZeroEngine(DeepSpeedSurface):
             return g
 
         sq = torch.zeros(1, dtype=torch.float64, device=self.units[0].device if self.units else None)
-        for group in self.residency.grad_pass(self.units):  # squared norms summed in fp64, no fp64 copies
+        for group in self.residency.grad_pass(self._stepped):  # squared norms summed in fp64, no fp64 copies
             for u in group:
                 sq += torch.linalg.vector_norm(fp32_grad(u), dtype=torch.float64).square()
         if self.shard_world > 1:  # stage 0 holds whole gradients, identical on every rank
@@ -520,10 +549,10 @@ class ZeroEngine(DeepSpeedSurface):
             clip = self.policy.gradient_clipping
             coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
             if background:
-                self._set_master_grads(self.units, fp32_grad, coef)
+                self._set_master_grads(self._stepped, fp32_grad, coef)
                 self._update = _BackgroundUpdate(self._apply_update)
             else:
-                for group in self.residency.optimizer_pass(self.units):
+                for group in self.residency.optimizer_pass(self._stepped):
                     self._set_master_grads(group, fp32_grad, coef)
                     fused = self._step_group(group)
                     for u in group:
@@ -536,7 +565,7 @@ class ZeroEngine(DeepSpeedSurface):
                 if not self.plan.shards_weights:
                     self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
         # the optimizer held its own fp32 copies; stages 0-2 hold no rows between steps
-        self.residency.clear_grads(self.units, keep_rows=self.plan.shards_weights)
+        self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)
 
     def _step_group(self, units: list[Unit]) -> set[Unit]:
         """``optimizer.step()``; returns the units whose 16-bit shard it also wrote. A host optimizer with
@@ -745,13 +774,14 @@ class ZeroEngine(DeepSpeedSurface):
             return t.untyped_storage().nbytes()
 
         out = {
-            "master_fp32": sum(size(u.master) for u in self.units),
+            "master_fp32": sum(size(u.master) for u in self._stepped),
             "shard_16bit": sum(size(u.kept_shard) + size(u.staged_row) for u in self.units),
             "grad_shard": sum(size(u.grad) for u in self.units),
             "optimizer_state": 0,
             "gathered_params": sum(size(s.full) for u in self.units for s in u.slots),
             "full_grads": sum(size(s.param.grad) for u in self.units for s in u.slots),
             "bucket_grads": self.buckets.held_bytes(),
+            "frozen_quantized": sum(size(u.quantized_state()) for u in self.units),
         }
         for state in self.optimizer.state.values():
             for t in state.values():
