@@ -298,6 +298,9 @@ def _offload_conflicts(cfg: ZeroppConfig) -> list[str]:
         if par.device == "nvme" and par.buffer_count < 2:
             out.append(f"zero_optimization.offload_param.buffer_count: at least 2 with device \"nvme\" (the "
                        f"shard being gathered and the next one); got {par.buffer_count}")
+    if zero.zero_quantized_nontrainable_weights and opt is not None and opt.device == "nvme":
+        out.append("zero_optimization.zero_quantized_nontrainable_weights: not supported with offload_optimizer "
+                   "device \"nvme\" (frozen int8 rows have no optimizer record to swap); accepted: false")
     par_nvme = par is not None and par.device == "nvme"
     if opt is not None and opt.delayed_update and par_nvme:
         out.append("zero_optimization.offload_optimizer.delayed_update: not supported with offload_param "

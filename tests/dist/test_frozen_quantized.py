@@ -214,3 +214,15 @@ def test_frozen_quantized_needs_stage_3() -> None:
     with pytest.raises(ConfigError, match="zero_quantized_nontrainable_weights: needs zero_optimization.stage 3"):
         zeropp.initialize(model=llama(), config={"train_batch_size": 1, "zero_optimization": {
             "stage": 2, "zero_quantized_nontrainable_weights": True}})
+
+
+def offload_or_not(rank: int, world: int) -> dict:
+    out = {}
+    for name, extra in (("device", {}), ("offload", {"offload_optimizer": {"device": "cpu"}})):
+        out[name] = _train(_engine({**QFROZEN, **extra}, world=world), rank, 4, world=world)
+    return out
+
+
+def test_optimizer_offload_with_frozen_int8_weights_is_bit_identical() -> None:
+    for r in run_world(offload_or_not, 2, ranks_per_node=2):
+        assert r["offload"] == r["device"]

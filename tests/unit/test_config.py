@@ -338,6 +338,8 @@ def test_nvme_offload_loads_with_its_settings() -> None:
      "zero_optimization.offload_param.buffer_count: at least 2 with device \"nvme\""),
     (stage3(zero_quantized_nontrainable_weights=True, offload_param={"device": "cpu"}),
      "zero_optimization.zero_quantized_nontrainable_weights: not supported with offload_param"),
+    (stage3(zero_quantized_nontrainable_weights=True, offload_optimizer={"device": "nvme", "nvme_path": "/x"}),
+     "zero_optimization.zero_quantized_nontrainable_weights: not supported with offload_optimizer device"),
 ])
 def test_offload_settings_that_cannot_work_together_name_the_key(raw: dict, line: str) -> None:
     err = error_of(raw)

@@ -175,9 +175,10 @@ class ZeroEngine(DeepSpeedSurface):
         self.loss_scaler = policy.loss_scaler
         self._cast_buffers(policy.compute_dtype)
         self.shard_world = topo.world_size if self.plan.shards_optimizer else 1
-        if strategies.frozen_units is not None and (not self.plan.shards_weights or policy.offload_param):
+        if strategies.frozen_units is not None and (not self.plan.shards_weights or policy.offload_param
+                                                     or self.residency.swaps_states):
             raise ValueError("zero_quantized_nontrainable_weights: frozen weights are kept quantized in stage 3's "
-                             "shards on the compute device; it needs stage 3 without offload_param")
+                             "shards on the compute device; it needs stage 3 without offload_param or NVMe")
         self.units, trainable = self._build_units(module, param_init_fn, trainable)
         self._stepped = [u for u in self.units if u.holds_master]  # units with masters, gradients, a step
         # stage 3: reads of a parameter outside its unit's forward (Note [external reads])
