@@ -33,6 +33,7 @@ from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather
 from zeropp.partition.unit import Unit
+from zeropp.plus.hpz import SecondaryStore
 from zeropp.plus.qwz import PendingQuantized
 from zeropp.plus.wire import WireFormat, decode_rows, encode_rows
 from zeropp.quant import BlockLayout
@@ -142,8 +143,7 @@ class FrozenGather:
         self.comm = comm
         self.world = comm.topo.world
         self.hpz = hpz if hpz is not None and hpz.size > 1 else None
-        self.secondary: dict[int, torch.Tensor] = {}
-        self.versions: dict[int, int] = {}
+        self.store = SecondaryStore()  # its rows are int8 wire rows here, W / s of them per unit
         self.pools = BufferPools("frozen", "recv", "out", "scales")
 
     def start(self, unit: Unit, phase: Phase) -> PendingGather:
@@ -152,8 +152,8 @@ class FrozenGather:
         rb = unit.fmt.row_bytes
         received = self.pools["recv"].take(self.world.size * rb, torch.uint8, unit.device).view(self.world.size, rb)
         keep = None
-        if self.hpz is not None and self.versions.get(unit.index) == unit.version:
-            handle = self.comm.all_gather(received, self.secondary[unit.index], self.hpz, phase, async_op=True)
+        if self.hpz is not None and self.store.is_current(unit):
+            handle = self.comm.all_gather(received, self.store.rows[unit.index], self.hpz, phase, async_op=True)
         else:
             handle = self.comm.all_gather(received, unit.qrow, self.world, phase, async_op=True)
             if self.hpz is not None:
@@ -165,18 +165,13 @@ class FrozenGather:
         assert self.hpz is not None
         per = received.shape[0] // self.hpz.size
         i = self.hpz.index_of(self.comm.topo.rank)
-        rows = received[i * per : (i + 1) * per].reshape(-1)
-        held = self.secondary.get(index)
-        if held is None:
-            held = self.secondary[index] = torch.empty_like(rows)
-        held.copy_(rows)
-        self.versions[index] = version
+        self.store.put(index, version, received[i * per : (i + 1) * per].reshape(-1))
 
     def on_release(self, unit: Unit) -> None:
         pass
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return list(self.secondary.values())
+        return list(self.store.rows.values())
 
     def buffer_bytes(self) -> dict[str, int]:
         return self.pools.buffer_bytes()

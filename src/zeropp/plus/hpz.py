@@ -34,6 +34,14 @@ class SecondaryStore:
     def is_current(self, unit: Unit) -> bool:
         return self.versions.get(unit.index) == unit.version
 
+    def put(self, index: int, version: int, row: torch.Tensor) -> None:
+        """Keep a copy of ``row`` as unit ``index``'s slice, cut from weights of ``version`` (row allocated once)."""
+        held = self.rows.get(index)
+        if held is None:
+            held = self.rows[index] = torch.empty_like(row)
+        held.copy_(row)
+        self.versions[index] = version
+
     def keep(self, unit: Unit, index: int, group_size: int) -> None:
         """While ``unit`` is gathered: copy chunk ``index`` of ``group_size`` of each parameter into its row."""
         layout = unit.group_layout(group_size)

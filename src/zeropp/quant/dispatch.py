@@ -58,7 +58,7 @@ def _on_cuda(*tensors: torch.Tensor | None) -> bool:
 
 def _triton_for(bits: int, *tensors: torch.Tensor | None) -> ModuleType | None:
     """The Triton module for CUDA tensors of a width its kernels pack (int8, int4), else None."""
-    return _triton_path() if bits in (8, 4) and _on_cuda(*tensors) else None
+    return _triton_path() if bits in fast.KERNEL_BITS and _on_cuda(*tensors) else None
 
 
 def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None, *,

@@ -573,9 +573,11 @@ def _all_cpu(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.device.type == "cpu" for t in tensors)
 
 
+KERNEL_BITS = (8, 4)  # the widths the C and Triton kernels pack; int2 runs the spec (``blockwise.py``)
+
+
 def _kernel_bits(bits: int) -> bool:
-    """The C kernel packs int8 and int4; int2 runs the spec (``blockwise.py``)."""
-    return bits in (8, 4)
+    return bits in KERNEL_BITS
 
 
 def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None, *,
