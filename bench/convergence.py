@@ -29,6 +29,14 @@ def final_loss(losses: list[float], last: int = 20) -> float:
     return sum(losses[-last:]) / len(losses[-last:])
 
 
+def label_loss_axes(ax, title: str) -> None:  # noqa: ANN001 - a matplotlib Axes
+    """The labels, title and grid of a training-loss plot over steps."""
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+
+
 def plot(curves: dict[str, list[float]], path: str) -> None:
     import matplotlib
 
@@ -38,11 +46,8 @@ def plot(curves: dict[str, list[float]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
-    ax.set_title("Demo GPT on the shipped corpus, 2 nodes x 2 ranks, bf16")
+    label_loss_axes(ax, "Demo GPT on the shipped corpus, 2 nodes x 2 ranks, bf16")
     ax.legend()
-    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

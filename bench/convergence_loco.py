@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from convergence import final_loss  # noqa: E402
+from convergence import final_loss, label_loss_axes  # noqa: E402
 
 from zeropp.job import DEFAULT_CONFIG  # noqa: E402
 
@@ -81,10 +81,7 @@ def plot(curves: dict[str, list[float]], path: str) -> None:
     tail = [x for v in curves.values() for x in v[n // 2:]]
     zoom.set_ylim(min(tail) - 0.05, max(tail) + 0.05)
     for a, title in ((ax, "all steps"), (zoom, "second half")):
-        a.set_xlabel("step")
-        a.set_ylabel("training loss (nats/byte)")
-        a.set_title(f"Demo GPT, 2 nodes x 2 ranks, bf16: {title}")
-        a.grid(alpha=0.3)
+        label_loss_axes(a, f"Demo GPT, 2 nodes x 2 ranks, bf16: {title}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
