@@ -8,8 +8,8 @@ into the compute dtype, so all ranks, forward and backward, see the same weights
 and rank that is ``1 + 4 / block`` bytes instead of 2 (bf16 shard) + 4 (fp32 master).
 
 * Units: a unit holds frozen or trainable parameters, never both (the engine splits a module's parameters
-  in two units, gathered by the same hooks), so the trainable unit's rows keep their layout and the frozen
-  unit holds only its int8 row (:class:`QuantizedFrozenUnit`).
+  in two units, gathered by the same hooks: Note [frozen units] in ``partition/unit.py``), so the trainable
+  unit's rows keep their layout and the frozen unit holds only its int8 row (:class:`QuantizedFrozenUnit`).
 * hpZ: the secondary copy of a frozen unit is its slice of the received int8 rows (``W / s`` whole rows),
   not a re-quantization of the dequantized weights, so a gather from it yields the very same bytes. The
   weights never change in a step, so the copy stays current across steps: after the first forward, every
@@ -32,7 +32,7 @@ from zeropp.comm.buffers import BufferPools
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather
-from zeropp.partition.unit import Unit
+from zeropp.partition.unit import FrozenUnit, Unit
 from zeropp.plus.hpz import SecondaryStore
 from zeropp.plus.qwz import PendingQuantized
 from zeropp.plus.wire import WireFormat, decode_rows, encode_rows
@@ -40,7 +40,7 @@ from zeropp.quant import BlockLayout
 from zeropp.topology import Group
 
 
-class QuantizedFrozenUnit(Unit):
+class QuantizedFrozenUnit(FrozenUnit):
     """A unit of frozen parameters whose only state on this rank is ``qrow``: its chunk as int8 + scales."""
 
     holds_master = False
@@ -48,9 +48,6 @@ class QuantizedFrozenUnit(Unit):
     def __init__(self, index: int, module_name: str, named_params: list[tuple[str, nn.Parameter]], world: int,
                  rank: int, compute_dtype: torch.dtype, bits: int, block: int,
                  device: Optional[torch.device] = None) -> None:
-        trainable = [n for n, p in named_params if p.requires_grad]
-        if trainable:
-            raise ValueError(f"a quantized frozen unit holds frozen parameters only; {trainable} require grad")
         self._dense: Optional[torch.Tensor] = None
         # the base class cuts the fp32 chunk into `master` (here: the transient dense row) and frees the weights
         super().__init__(index, module_name, named_params, world, rank, compute_dtype, keep_shard=False,
@@ -103,13 +100,6 @@ class QuantizedFrozenUnit(Unit):
         if not torch.equal(row.to(self.device), self.qrow):
             self.qrow.copy_(row)
             self.version += 1
-
-    def grad_row(self) -> torch.Tensor:
-        """Zeros, not kept: a frozen unit has no gradient."""
-        return torch.zeros(self.row.numel, dtype=self.compute_dtype, device=self.device)
-
-    def grad_views(self) -> list[torch.Tensor]:
-        return self._split(self.grad_row())
 
     def refresh_shard_from_master(self, recast: bool = True) -> None:
         """After a write through :meth:`master_views`: re-quantize (and bump the version) if values changed."""

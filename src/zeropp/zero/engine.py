@@ -37,7 +37,7 @@ from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition.assign import plan_units
 from zeropp.partition.meta import MetaMaterializer
-from zeropp.partition.unit import Unit, UnitState
+from zeropp.partition.unit import FrozenUnit, Unit, UnitState
 from zeropp.topology import Topology
 from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
@@ -180,7 +180,7 @@ class ZeroEngine(DeepSpeedSurface):
             raise ValueError("zero_quantized_nontrainable_weights: frozen weights are kept quantized in stage 3's "
                              "shards on the compute device; it needs stage 3 without offload_param or NVMe")
         self.units, trainable = self._build_units(module, param_init_fn, trainable)
-        self._stepped = [u for u in self.units if u.holds_master]  # units with masters, gradients, a step
+        self._stepped = [u for u in self.units if u.steps]  # units with gradient rows and a step (not frozen)
         # stage 3: reads of a parameter outside its unit's forward (Note [external reads])
         self.use = ParamUse(module, self.units, lambda u: self._gather(u, self._pass()),
                             lambda u: self._release(u, self._pass()),
@@ -259,9 +259,11 @@ class ZeroEngine(DeepSpeedSurface):
         return units, trainable
 
     def _split_frozen(self, params: list[tuple[str, nn.Parameter]]) -> list[tuple[list, bool]]:
-        """One module's parameters as ``(params, frozen)`` unit contents: all of them in one plain unit, or,
-        when frozen units are built apart (``Strategies.frozen_units``), the trainable and the frozen ones."""
-        if self.strategies.frozen_units is None:
+        """One module's parameters as ``(params, frozen)`` unit contents: in stage 3 the trainable and the
+        frozen ones apart (Note [frozen units]), else all of them in one unit. Under NVMe optimizer offload
+        every unit keeps a gradient record in the swap files, so units stay whole there."""
+        apart = self.plan.shards_weights and not self.residency.swaps_states
+        if self.strategies.frozen_units is None and not apart:
             return [(params, False)]
         trainable = [(n, p) for n, p in params if p.requires_grad]
         frozen = [(n, p) for n, p in params if not p.requires_grad]
@@ -269,19 +271,19 @@ class ZeroEngine(DeepSpeedSurface):
 
     def _make_unit(self, index: int, module_name: str, params: list[tuple[str, nn.Parameter]], frozen: bool,
                    shard_rank: int) -> Unit:
-        if frozen:
-            assert self.strategies.frozen_units is not None
+        if frozen and self.strategies.frozen_units is not None:
             return self.strategies.frozen_units.make_unit(index, module_name, params, self.shard_world, shard_rank,
                                                           self.policy.compute_dtype)
         # A delayed update writes the masters while the next forward gathers the shard, and NVMe moves
         # shards and masters separately: never alias them then. Masters on NVMe: keep a 16-bit shard to
-        # rebuild resident weights from (stages 1-2).
+        # rebuild resident weights from (stages 1-2). A frozen unit is never stepped: no upload to stage.
         swaps = self.residency.swaps_shards or self.residency.swaps_states
-        return Unit(index, module_name, params, self.shard_world, shard_rank, self.policy.compute_dtype,
+        kind = FrozenUnit if frozen else Unit
+        return kind(index, module_name, params, self.shard_world, shard_rank, self.policy.compute_dtype,
                     keep_shard=self.plan.shards_weights or self.residency.swaps_states,
                     alias_fp32_shard=self.policy.delayed_update_after is None and not swaps,
                     host_masters=self.policy.offload_optimizer, host_shard=self.policy.offload_param,
-                    host_zeros=self.link.host_zeros, staged_copy_back=self.link.distinct)
+                    host_zeros=self.link.host_zeros, staged_copy_back=self.link.distinct and not frozen)
 
     def _gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
@@ -622,11 +624,11 @@ class ZeroEngine(DeepSpeedSurface):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    def _publish_masters(self, phase: Phase) -> None:
-        """Make the masters the weights: recast the 16-bit shards, bump versions (stale hpZ slices), and in
-        stages 0-2 rebuild the resident full weights. Collective for stages 0-2."""
+    def _publish_masters(self, phase: Phase, units: list[Unit]) -> None:
+        """Make the masters of ``units`` the weights: recast the 16-bit shards, bump versions (stale hpZ
+        slices), and in stages 0-2 rebuild the resident full weights. Collective for stages 0-2."""
         self.link.settle()  # the staged rows are rewritten below
-        for u in self.units:
+        for u in units:
             with self.residency.resident([u]):
                 u.refresh_shard_from_master()
                 self._copy_back(u)
@@ -644,12 +646,12 @@ class ZeroEngine(DeepSpeedSurface):
             return
         update, self._update = self._update, None
         update.wait()
-        self._publish_masters(Phase.FORWARD_GATHER)
+        self._publish_masters(Phase.FORWARD_GATHER, self._stepped)  # a step leaves frozen units as they were
         self.link.settle()
 
     def _report_non_finite(self) -> None:
         bad = []
-        for u in self.units:
+        for u in self._stepped:
             with self.residency.resident([u], dirty=False):
                 bad += [s.name for s, g in zip(u.slots, u.grad_views()) if not torch.isfinite(g).all()]
         where = f"non-finite gradient shard on rank {self.topo.rank} in: {', '.join(bad)}" if bad else (
@@ -725,7 +727,7 @@ class ZeroEngine(DeepSpeedSurface):
 
     def masters_changed(self) -> None:
         """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""
-        self._publish_masters(Phase.OTHER)
+        self._publish_masters(Phase.OTHER, self.units)
 
     # ---- reports -----------------------------------------------------------------------------------------
     def comm_report(self) -> dict[str, dict[str, int]]:
@@ -775,7 +777,7 @@ class ZeroEngine(DeepSpeedSurface):
             return t.untyped_storage().nbytes()
 
         out = {
-            "master_fp32": sum(size(u.master) for u in self._stepped),
+            "master_fp32": sum(size(u.master) for u in self.units if u.holds_master),
             "shard_16bit": sum(size(u.kept_shard) + size(u.staged_row) for u in self.units),
             "grad_shard": sum(size(u.grad) for u in self.units),
             "optimizer_state": 0,
