@@ -3,7 +3,8 @@
 All volumes are the bytes ONE rank receives in one optimizer step without gradient accumulation, split
 into intra-node and inter-node. Sources: ZeRO (Rajbhandari et al., SC'20, arXiv 1910.02054) section 7:
 stage 3 moves the parameters once in an all-gather for forward, once for backward, and the gradients once
-in a reduce-scatter, each rank receiving (P-1)/P of the model per collective. ZeRO++ (Wang et al., ICLR'24,
+in a reduce-scatter, each rank receiving (P-1)/P of the model per collective (on several nodes of several
+ranks the all-gathers run in two hops, so that only (n-1)/n of the model reaches a rank from other nodes). ZeRO++ (Wang et al., ICLR'24,
 arXiv 2306.10209) section 3: qwZ halves the forward gather with int8 (plus one fp32 scale per block),
 hpZ's backward gather stays inside the group of s ranks, and qgZ's two-hop int4 all-to-all receives
 (D-1)/D x M/2 bytes inside the node and (n-1)/n x M/(2D) across nodes. Padding and scales are counted
@@ -47,17 +48,25 @@ def _chunks(numels: Sequence[int], world: int) -> list[int]:
     return [ShardSpec(n, (n,), world).chunk for n in numels]  # type: ignore[arg-type]
 
 
+def world_gather_volume(row_bytes: int, layout: Layout, rank: int) -> Volume:
+    """A row of ``row_bytes`` from every rank of the world (Note [two-hop gather] in ``comm/gather.py``): on
+    several nodes of several ranks in two hops, ``n - 1`` rows from other nodes, then the ``n`` rows of each
+    other rank of the node; else one all-gather, a row from every other rank."""
+    d, n = layout.ranks_per_node, layout.num_nodes
+    if n > 1 and d > 1:
+        return Volume(intra_node_bytes=(d - 1) * n * row_bytes, inter_node_bytes=(n - 1) * row_bytes)
+    return _per_peer(row_bytes, _peers(layout, rank, range(layout.world_size)))
+
+
 def gather_volume(numels: Sequence[int], layout: Layout, rank: int, elem_bytes: int) -> Volume:
     """Plain all-gather of every parameter's 16-bit (or fp32) chunks over the world."""
-    row = sum(_chunks(numels, layout.world_size))
-    return _per_peer(row * elem_bytes, _peers(layout, rank, range(layout.world_size)))
+    return world_gather_volume(sum(_chunks(numels, layout.world_size)) * elem_bytes, layout, rank)
 
 
 def quantized_gather_volume(numels: Sequence[int], layout: Layout, rank: int, bits: int, block: int) -> Volume:
     """qwZ: quantized payload plus 4 bytes per block, blocks cut per parameter chunk."""
     q = BlockLayout(tuple(_chunks(numels, layout.world_size)), block)
-    per_peer = payload_bytes(q, bits) + 4 * q.num_blocks
-    return _per_peer(per_peer, _peers(layout, rank, range(layout.world_size)))
+    return world_gather_volume(payload_bytes(q, bits) + 4 * q.num_blocks, layout, rank)
 
 
 def hpz_gather_volume(numels: Sequence[int], layout: Layout, rank: int, group_size: int, elem_bytes: int) -> Volume:
@@ -70,7 +79,8 @@ def hpz_gather_volume(numels: Sequence[int], layout: Layout, rank: int, group_si
 
 def reduce_scatter_volume(numels: Sequence[int], layout: Layout, rank: int, elem_bytes: int) -> Volume:
     """Plain reduce-scatter as an all-to-all: one chunk row from every other rank."""
-    return gather_volume(numels, layout, rank, elem_bytes)
+    row = sum(_chunks(numels, layout.world_size))
+    return _per_peer(row * elem_bytes, _peers(layout, rank, range(layout.world_size)))
 
 
 def qgz_volume(numels: Sequence[int], layout: Layout, rank: int, bits: int, block: int) -> Volume:

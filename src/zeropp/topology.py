@@ -8,6 +8,11 @@ Groups:
 - world: every rank.
 - intra-node: the ``D`` ranks of one node.
 - inter-node: the ``n = W / D`` ranks that share a local index, one per node (qgZ's second hop).
+- inter-node, early: a second communicator over the inter-node ranks, for collectives issued at moments
+  that differ between ranks (qgZ's second hop, Note [overlapped second hop] in ``plus/qgz.py``); the
+  inter-node group itself carries only collectives issued in program order (the first hop of a world
+  gather, Note [two-hop gather] in ``comm/gather.py``), so the two never interleave differently on two ranks.
+  Made only with several nodes of several ranks (else it is the inter-node group).
 - hpZ: groups of ``s`` consecutive ranks (the secondary weight partition); ``s == D`` reuses intra-node.
 
 ``torch.distributed.new_group`` must be called by every rank for every group in the same order; ``build``
@@ -98,6 +103,12 @@ class Topology:
     intra_node: Group
     inter_node: Group
     hpz: Group
+    inter_node_early_group: Optional[Group] = None  # see ``inter_node_early``
+
+    @property
+    def inter_node_early(self) -> Group:
+        """The inter-node ranks' communicator for collectives issued at rank-dependent moments."""
+        return self.inter_node_early_group or self.inter_node
 
     @property
     def world_size(self) -> int:
@@ -175,7 +186,10 @@ def build(
     else:
         s = hpz_partition_size
         hpz = make_all([layout.hpz_ranks(g, s) for g in range(world_size // s)])
-    return Topology(layout, rank, world, intra, inter, hpz)
+    early = None
+    if layout.num_nodes > 1 and layout.ranks_per_node > 1:
+        early = make_all([layout.inter_node_ranks(j) for j in range(layout.ranks_per_node)])
+    return Topology(layout, rank, world, intra, inter, hpz, early)
 
 
 def _fake_world() -> tuple[int, int]:

@@ -104,6 +104,9 @@ class _Watched:
     def start(self, *args: Any) -> "_WatchedPending":
         return _WatchedPending(self._call("start", *args), self.rec)
 
+    def two_hop(self, unit: Any) -> bool:
+        return self.inner.two_hop(unit)
+
     def end_step(self, grad_scale: float = 1.0) -> None:
         self.inner.end_step(grad_scale)
 
@@ -125,6 +128,9 @@ class _WatchedPending(_Watched):
 
     def progress(self) -> None:
         self._call("progress")
+
+    def advance(self) -> None:
+        self._call("advance")
 
     def recycle(self) -> None:
         self._call("recycle")

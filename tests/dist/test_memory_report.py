@@ -5,7 +5,8 @@ The same architecture with 8 and with 24 blocks (the larger one more than 10x th
 elements) trains under plain ZeRO-3 and under ZeRO++ (qwZ + hpZ + qgZ): each reported buffer stays within
 its bound, the total stays within the total bound, and the larger model's buffers are byte for byte the
 smaller one's. Prefetching follows DeepSpeed's keys: ``stage3_prefetch_bucket_size: 0`` or a
-``stage3_max_live_parameters`` smaller than what is gathered leaves one gather in flight instead of two.
+``stage3_max_live_parameters`` smaller than what is gathered leaves one gather in flight instead of two (and
+one two-hop gather's first hop instead of three).
 Saved activations are measured (Note [activation meter]): with ``cpu_checkpointing`` through a link that
 plays a separate device, what the compute device keeps is at most 1/L of the run without checkpointing.
 """
@@ -115,11 +116,14 @@ def test_the_zeropp_strategies_report_their_pools(reports: list[dict]) -> None:
 
 def test_prefetch_follows_deepspeeds_bounds(reports: list[dict]) -> None:
     for rep in reports:
-        two = rep[("zero3", 24)]["buffers"]["forward_gather"]["bytes"]
+        parts = rep[("zero3", 24)]["buffers"]["forward_gather"]["parts"]
         unit_bytes = rep[("zero3", 24)]["largest_unit"] * 2  # bf16
-        assert two == 2 * unit_bytes  # the gather being finished and one prefetch
-        for case in ("no_prefetch", "max_live"):
-            assert rep[case]["buffers"]["forward_gather"]["bytes"] == unit_bytes, case  # one gather at a time
+        assert parts["gather_out"] == 2 * unit_bytes  # the gather being finished and one prefetch
+        # Note [two-hop gather]: first-hop rows (1/D of a unit) of that gather, the prefetch and the one after
+        assert parts["gather_hop1"] == 3 * unit_bytes // 2
+        for case in ("no_prefetch", "max_live"):  # one gather at a time
+            parts = rep[case]["buffers"]["forward_gather"]["parts"]
+            assert (parts["gather_out"], parts["gather_hop1"]) == (unit_bytes, unit_bytes // 2), case
         # the weights gathered at once: the embedding (read again by the head) and a block or two, not the model
         for key in (("zero3", 24), ("zeropp", 24)):
             assert 0 < rep[key]["gathered_weights_peak"] <= 3 * unit_bytes, key

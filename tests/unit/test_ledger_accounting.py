@@ -154,32 +154,38 @@ def test_collective_shape_checks(monkeypatch: pytest.MonkeyPatch) -> None:
 # numels [5, 8] on 2 nodes x 2 ranks (W = 4), rank 0 (node 0 = {0, 1}):
 #   chunk(5) = max(2, 2*ceil(5/8)) = 2, chunk(8) = 2*ceil(8/8) = 2 -> row of 4 elements, padded sizes 8, 8.
 #   peers of rank 0 in the world: 1 on its node (rank 1), 2 elsewhere (ranks 2, 3).
-#   plain bf16 gather: one row of 4 x 2 B = 8 B from each peer -> intra 8, inter 16.
+#   plain bf16 row: 4 x 2 B = 8 B. The all-to-all reduce-scatter receives one row from each peer: intra 8,
+#   inter 16. A gather over the world takes two hops (Note [two-hop gather]): the row of the one rank with
+#   this local index on the other node (inter 8), then the 2 rows the node's other rank now holds (intra 16).
 L22 = Layout(4, 2)
 NUMELS = [5, 8]
 
 
 @pytest.mark.parametrize("rank", range(4))
 def test_gather_and_reduce_scatter_hand(rank: int) -> None:
-    assert accounting.gather_volume(NUMELS, L22, rank, 2) == Volume(8, 16)
-    assert accounting.gather_volume(NUMELS, L22, rank, 4) == Volume(16, 32)  # fp32
+    assert accounting.gather_volume(NUMELS, L22, rank, 2) == Volume(16, 8)
+    assert accounting.gather_volume(NUMELS, L22, rank, 4) == Volume(32, 16)  # fp32
     assert accounting.reduce_scatter_volume(NUMELS, L22, rank, 2) == Volume(8, 16)
 
 
 def test_gather_with_padding_hand() -> None:
     # [5, 13] on W = 4: chunks 2 and 2*ceil(13/8) = 4 -> row 6 elements, 12 B in bf16.
-    assert accounting.gather_volume([5, 13], L22, 3, 2) == Volume(12, 24)
-    # 3 nodes x 2: [7] -> chunk 2*ceil(7/12) = 2 -> 4 B per peer; rank 2 has 1 peer on its node, 4 elsewhere.
-    assert accounting.gather_volume([7], Layout(6, 2), 2, 2) == Volume(4, 16)
+    assert accounting.gather_volume([5, 13], L22, 3, 2) == Volume(24, 12)
+    # 3 nodes x 2: [7] -> chunk 2*ceil(7/12) = 2 -> a row of 4 B; 2 rows from the other nodes, then the other
+    # rank of the node's 3 rows
+    assert accounting.gather_volume([7], Layout(6, 2), 2, 2) == Volume(12, 8)
+    # one node, or one rank per node: one all-gather, a row from every other rank
+    assert accounting.gather_volume([7], Layout(6, 6), 2, 2) == Volume(20, 0)
+    assert accounting.gather_volume([7], Layout(6, 1), 2, 2) == Volume(0, 20)
 
 
 def test_quantized_gather_hand() -> None:
-    # int8, block 4: segments (2, 2) -> 2 blocks; payload 4 B + 2 scales x 4 B = 12 B per peer
-    assert accounting.quantized_gather_volume(NUMELS, L22, 0, 8, 4) == Volume(12, 24)
+    # int8, block 4: segments (2, 2) -> 2 blocks; payload 4 B + 2 scales x 4 B = a row of 12 B
+    assert accounting.quantized_gather_volume(NUMELS, L22, 0, 8, 4) == Volume(24, 12)
     # int4: payload ceil(4/2) = 2 B + 8 B of scales = 10 B
-    assert accounting.quantized_gather_volume(NUMELS, L22, 0, 4, 4) == Volume(10, 20)
+    assert accounting.quantized_gather_volume(NUMELS, L22, 0, 4, 4) == Volume(20, 10)
     # block 2 with [5, 13]: segments (2, 4) -> 1 + 2 = 3 blocks; int8 payload 6 + 12 = 18 B
-    assert accounting.quantized_gather_volume([5, 13], L22, 1, 8, 2) == Volume(18, 36)
+    assert accounting.quantized_gather_volume([5, 13], L22, 1, 8, 2) == Volume(36, 18)
 
 
 @pytest.mark.parametrize("rank", range(4))
@@ -187,7 +193,7 @@ def test_hpz_gather_hand(rank: int) -> None:
     # s = 2: secondary slices padded/2 = 4 + 4 elements = 16 B bf16, from the 1 other member of the group,
     # which is on this rank's node (groups {0,1}, {2,3} = the nodes)
     assert accounting.hpz_gather_volume(NUMELS, L22, rank, 2, 2) == Volume(16, 0)
-    # s = 4: slices of 2 + 2 = 8 B from 1 peer on the node and 2 off it (same as a plain gather)
+    # s = 4: slices of 2 + 2 = 8 B from 1 peer on the node and 2 off it (one all-gather over the hpZ group)
     assert accounting.hpz_gather_volume(NUMELS, L22, rank, 4, 2) == Volume(8, 16)
 
 

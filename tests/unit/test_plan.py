@@ -69,6 +69,18 @@ def test_all_to_all_reduce_scatter_puts_d_times_a_ring_on_the_node_link() -> Non
     assert coll.inter_wire(a2a) / coll.inter_wire(ring) == pytest.approx(16 * 48 / 63)  # ... the link can
 
 
+def test_world_gathers_take_two_hops_on_several_nodes_of_several_ranks() -> None:
+    numels = MODEL.units[1].numels
+    row = sum(accounting._chunks(numels, 8)) * 2  # one rank's bf16 row on 8 ranks
+    first, second = coll.forward_gather(numels, Choice(3), Layout(8, 4), True, 2048, False)
+    assert (first.pattern, second.pattern) == ("all_gather_inter", "intra_all_gather")
+    assert first.volume == accounting.Volume(0, row) and second.volume == accounting.Volume(3 * 2 * row, 0)
+    # the node's link carries one row per local index (4), not a world ring's 7 rows
+    assert coll.inter_wire(first) == 4 * row and coll.inter_wire(second) == 0
+    [one] = coll.backward_gather(numels, Choice(3), Layout(8, 8), True)  # one node: one all-gather
+    assert one.pattern == "all_gather" and one.volume == accounting.Volume(7 * row, 0)
+
+
 def test_ranking_picks_zeropp_on_a_slow_link_and_plain_zero_on_a_fast_one() -> None:
     model, work = gpt_of_size(2e9), Workload(micro_batch=4, seq_len=2048)
     slow = rank(model, gpu_cluster(2, 8, 100.0, 25.0, 2400.0, 80.0), work)

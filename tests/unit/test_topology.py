@@ -128,6 +128,8 @@ def _expected_calls(w: int, d: int, s: int) -> list[tuple[int, ...]]:
     calls += [lay.inter_node_ranks(j) for j in range(d)]
     if s not in (d, w):
         calls += [lay.hpz_ranks(g, s) for g in range(w // s)]
+    if w // d > 1 and d > 1:  # the inter-node ranks' second communicator (qgZ's early hop)
+        calls += [lay.inter_node_ranks(j) for j in range(d)]
     return calls
 
 
@@ -161,6 +163,12 @@ def test_build_same_groups_same_order_on_every_rank(monkeypatch: pytest.MonkeyPa
             assert topo.hpz is topo.world
         else:
             assert topo.hpz.handle == handle(nodes + d + rank // s)
+        if nodes > 1 and d > 1:
+            hpz_groups = 0 if s in (d, w) else w // s
+            assert topo.inter_node_early.ranks == topo.inter_node.ranks
+            assert topo.inter_node_early.handle == handle(nodes + d + hpz_groups + rank % d)
+        else:
+            assert topo.inter_node_early is topo.inter_node
     assert all(c == calls_per_rank[0] for c in calls_per_rank)
     assert calls_per_rank[0] == _expected_calls(w, d, s)
 
@@ -168,8 +176,8 @@ def test_build_same_groups_same_order_on_every_rank(monkeypatch: pytest.MonkeyPa
 def test_build_hpz_equal_to_node_creates_no_extra_group(monkeypatch: pytest.MonkeyPatch) -> None:
     _, rec_reuse = _build_as(monkeypatch, 1, 4, 2, 2)
     _, rec_own = _build_as(monkeypatch, 1, 4, 2, 1)
-    assert len(rec_reuse.calls) == 2 + 2  # intra x2, inter x2
-    assert len(rec_own.calls) == 2 + 2 + 4  # plus four singleton hpZ groups
+    assert len(rec_reuse.calls) == 2 + 2 + 2  # intra x2, inter x2, inter (early) x2
+    assert len(rec_own.calls) == 2 + 2 + 4 + 2  # plus four singleton hpZ groups
 
 
 def test_build_same_node(monkeypatch: pytest.MonkeyPatch) -> None:

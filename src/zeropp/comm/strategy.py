@@ -23,6 +23,11 @@ class PendingGather(Protocol):
         The rows stay valid until :meth:`recycle`; copy out what must live longer.
         """
 
+    def advance(self) -> None:
+        """Move a two-hop gather on (Note [two-hop gather] in ``comm/gather.py``): wait for its first hop and
+        issue its second without waiting for it; nothing for a one-hop gather. The engine calls it at the same
+        point of the program on every rank, a unit before it needs the rows."""
+
     def recycle(self) -> None:
         """The caller is done with the rows ``finish`` returned: the strategy may reuse their memory.
 
@@ -34,6 +39,10 @@ class PendingGather(Protocol):
 class GatherStrategy(Protocol):
     def start(self, unit: Unit, phase: Phase) -> PendingGather:
         """Issue the collectives that gather ``unit`` (asynchronously where possible)."""
+
+    def two_hop(self, unit: Unit) -> bool:
+        """Whether gathering ``unit`` now takes two hops, the first of which the engine starts a unit earlier
+        than other gathers (Note [two-hop gather] in ``comm/gather.py``)."""
 
     def on_release(self, unit: Unit) -> None:
         """Called while ``unit`` is still gathered, just before its full weights are freed."""

@@ -201,11 +201,12 @@ class Unit:
 
     # ---- state changes -----------------------------------------------------------------------------------
     def materialize(self, gathered: torch.Tensor, layout: RowLayout) -> None:
-        """Fill every parameter from a gathered ``[G, layout.numel]`` tensor (rows in group order)."""
-        g = gathered.shape[0]
+        """Fill every parameter from gathered rows ``[..., layout.numel]`` whose leading dimensions, read in
+        order, are the group's ranks (``[G, numel]``, or a two-hop gather's ``[n, D, numel]`` view)."""
+        lead = gathered.shape[:-1]
         for slot, off, c in zip(self.slots, layout.offsets, layout.chunks):
             slot.allocate()
-            slot.full.view(g, c).copy_(gathered[:, off : off + c])
+            slot.full.view(*lead, c).copy_(gathered[..., off : off + c])
         self.state = UnitState.GATHERED
 
     def release(self) -> None:

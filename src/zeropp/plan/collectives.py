@@ -6,8 +6,10 @@ collective's pattern (gloo's, as the ledger counts them; NCCL's rings behave ali
 
 * ring (``all_gather``, ``all_reduce``; groups are node-contiguous): every ring edge carries what one rank
   receives, and one edge leaves each node, so a node's link carries the per-rank total (intra + inter).
-* all-to-all: every rank sends its own rows to every member, so a node's link carries (members on the node)
-  x (what one rank receives from other nodes). The plain reduce-scatter is one all-to-all over the world
+* all-to-all, and the first hop of a two-hop world gather (``all_gather_inter``: one rank per node, a group per
+  local index): every rank sends its own rows to every member, so a node's link carries (members on the node)
+  x (what one rank receives from other nodes); calibrated as ``all_to_all_inter`` (between two nodes the two
+  are the same exchange). The plain reduce-scatter is one all-to-all over the world
   (``comm/reduce.py``): with D ranks per node it puts D x (W - D) / (W - 1) times a ring's bytes on the link.
 
 Time of one collective: ``max(host, alpha + inter wire / (rate x efficiency), intra wire / intra rate)``, where
@@ -34,7 +36,8 @@ class Collective:
     """One collective as rank 0 sees it: the ledger phase, the pattern, and the bytes it receives."""
 
     phase: str
-    pattern: str  # all_gather | all_to_all | all_to_all_inter | all_reduce | intra_all_gather | intra_all_to_all
+    pattern: str  # all_gather | all_gather_inter | all_to_all | all_to_all_inter | all_reduce | intra_all_gather |
+    # intra_all_to_all | ring_reduce_scatter
     volume: Volume
     group_size: int
     members_per_node: int  # senders sharing one node's link at once
@@ -54,7 +57,7 @@ def wire_bytes_per_node(pattern: str, received: float, nodes: int, ranks_per_nod
         return received
     if pattern == "all_to_all":
         return d * received * (w - d) / (w - 1)
-    if pattern == "all_to_all_inter":  # every local index's group at once
+    if pattern in ("all_to_all_inter", "all_gather_inter"):  # every local index's group at once
         return d * received
     return 0.0
 
@@ -75,7 +78,8 @@ def intra_wire(c: Collective) -> float:
 
 def _host_pattern(c: Collective, hw: Hardware) -> str:
     """Which measured host fit times ``c``: the world's fits, or the node's when the world is one node."""
-    pattern = "all_gather" if c.pattern == "ring_reduce_scatter" else c.pattern
+    pattern = {"ring_reduce_scatter": "all_gather", "all_gather_inter": "all_to_all_inter"}.get(c.pattern,
+                                                                                                 c.pattern)
     if hw.nodes == 1 and pattern in ("all_gather", "all_to_all"):
         return "intra_" + pattern
     return pattern
@@ -91,7 +95,7 @@ def duration(c: Collective, hw: Hardware) -> tuple[float, float]:
         host = fit.seconds(c.received)
     wire = 0.0
     if hw.inter_bytes_per_s and c.volume.inter_node_bytes:
-        pattern = "all_gather" if c.pattern == "ring_reduce_scatter" else c.pattern
+        pattern = _host_pattern(c, hw)
         shaped = hw.shaped_fits.get(pattern)
         alpha = shaped.alpha_s if shaped is not None else (c.group_size - 1) * hw.inter_latency_s
         wire = alpha + inter_wire(c) / (hw.inter_bytes_per_s * hw.efficiency(pattern))
@@ -106,17 +110,29 @@ def _elem(choice: Choice, bf16: bool) -> int:
     return 2 if bf16 else 4
 
 
+def world_gather(phase: str, v: Volume, layout: Layout) -> list[Collective]:
+    """An all-gather over the world as the engine routes it (Note [two-hop gather] in ``comm/gather.py``):
+    one ring, or on several nodes of several ranks a gather among the ranks of one local index (each node's
+    link carries one such group per local index at once) followed by one inside the node. The engine issues
+    the second hop when the first has arrived."""
+    w, d, n = layout.world_size, layout.ranks_per_node, layout.num_nodes
+    if n > 1 and d > 1:
+        return [Collective(phase, "all_gather_inter", Volume(0, v.inter_node_bytes), n, d),
+                Collective(phase, "intra_all_gather", Volume(v.intra_node_bytes, 0), d, d)]
+    return [Collective(phase, "all_gather", v, w, d)]
+
+
 def forward_gather(numels: Sequence[int], choice: Choice, layout: Layout, bf16: bool, block: int,
-                   secondary_current: bool) -> Collective:
+                   secondary_current: bool) -> list[Collective]:
     """A unit's forward gather: qwZ's quantized rows or plain 16-bit rows over the world; from the hpZ slices
     over the hpZ group when they are current (a later micro-step of the same optimizer step)."""
     if choice.hpz > 1 and secondary_current:
-        return _hpz(numels, choice, layout, bf16, "forward_gather")
+        return [_hpz(numels, choice, layout, bf16, "forward_gather")]
     if choice.qwz_bits:
         v = accounting.quantized_gather_volume(numels, layout, 0, choice.qwz_bits, block)
     else:
         v = accounting.gather_volume(numels, layout, 0, _elem(choice, bf16))
-    return Collective("forward_gather", "all_gather", v, layout.world_size, layout.ranks_per_node)
+    return world_gather("forward_gather", v, layout)
 
 
 def _hpz(numels: Sequence[int], choice: Choice, layout: Layout, bf16: bool, phase: str) -> Collective:
@@ -125,20 +141,18 @@ def _hpz(numels: Sequence[int], choice: Choice, layout: Layout, bf16: bool, phas
     return Collective(phase, pattern, v, choice.hpz, min(choice.hpz, layout.ranks_per_node))
 
 
-def backward_gather(numels: Sequence[int], choice: Choice, layout: Layout, bf16: bool) -> Collective:
+def backward_gather(numels: Sequence[int], choice: Choice, layout: Layout, bf16: bool) -> list[Collective]:
     """A unit's backward gather: from the hpZ slices (cut when forward released the unit) or plain 16-bit."""
     if choice.hpz > 1:
-        return _hpz(numels, choice, layout, bf16, "backward_gather")
-    v = accounting.gather_volume(numels, layout, 0, _elem(choice, bf16))
-    return Collective("backward_gather", "all_gather", v, layout.world_size, layout.ranks_per_node)
+        return [_hpz(numels, choice, layout, bf16, "backward_gather")]
+    return world_gather("backward_gather", accounting.gather_volume(numels, layout, 0, _elem(choice, bf16)), layout)
 
 
 def resident_gather(numels: Sequence[int], layout: Layout, bf16: bool, stage: int) -> list[Collective]:
     """Stages 1-2 after an optimizer step: the full 16-bit weights rebuilt from the shards (stage 0: local)."""
     if stage == 0 or layout.world_size == 1:
         return []
-    v = accounting.gather_volume(numels, layout, 0, 2 if bf16 else 4)
-    return [Collective("forward_gather", "all_gather", v, layout.world_size, layout.ranks_per_node)]
+    return world_gather("forward_gather", accounting.gather_volume(numels, layout, 0, 2 if bf16 else 4), layout)
 
 
 def allreduce_volume(numels: Sequence[int], layout: Layout, rank: int, elem_bytes: int) -> Volume:

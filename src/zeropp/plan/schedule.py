@@ -4,7 +4,9 @@ Two resources per rank: the main thread (compute, quantization, bucket packing, 
 communication channel that runs collectives in the order they are issued. What the engine overlaps:
 
 * forward: a unit's pre-hook issues its own gather (if not prefetched) and then the next unit's (the order
-  recorded in the last pass), then waits for its own: the gather of unit i+1 runs while unit i computes. A
+  recorded in the last pass), then waits for its own: the gather of unit i+1 runs while unit i computes (a
+  two-hop world gather's first hop, across nodes, starts two units ahead and its second, inside the node,
+  one unit ahead: Note [two-hop gather]). A
   prefetch starts only within ``stage3_prefetch_bucket_size`` (the next unit's padded elements) and
   ``stage3_max_live_parameters`` (gathered + being gathered + the next unit), as ``zero/memory.py`` admits it;
 * backward: the same, over the backward order, with the backward strategy (hpZ: the slices, inside a node);
@@ -23,7 +25,7 @@ so the step also takes at least the sum of all main-thread work and all host tim
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from zeropp.partition.spec import ShardSpec
 from zeropp.plan import collectives as coll
@@ -31,6 +33,8 @@ from zeropp.plan.choices import Choice
 from zeropp.plan.hardware import Hardware
 from zeropp.plan.model import ModelSpec, UnitSpec, flops_per_step
 from zeropp.topology import Layout
+
+_Gather = tuple[float, list[coll.Collective]]  # when a gather's first hop completes, and the hops after it
 
 
 @dataclass(frozen=True)
@@ -147,13 +151,11 @@ class _Step:
                 self.run_compute(self.compute_of[u.name] * self.fwd_share)
             return
         current = not first_micro  # hpZ slices are current after this step's first forward
-        pending: dict[int, float] = {}
+        pending: dict[int, _Gather] = {}
+        hops = lambda u: coll.forward_gather(u.numels, self.choice, self.layout, self.w.bf16,  # noqa: E731
+                                             self.w.block, current)
         for i, u in enumerate(units):
-            if i not in pending:
-                pending[i] = self._start_fwd(u, current)
-            if i + 1 < len(units) and self.admits(units, i):
-                pending[i + 1] = self._start_fwd(units[i + 1], current)
-            self.clock.wait(pending[i])
+            self.gather_unit(units, i, pending, lambda v: self._start_fwd(v, current), hops)
             if self.choice.qwz_bits and not (self.choice.hpz > 1 and current):
                 self.dequantize(self.chunk(u.numels) * self.hw.world, self.choice.qwz_bits)
             if i:  # the root's compute (the head) runs after the blocks
@@ -163,34 +165,61 @@ class _Step:
     def elements(self, u: UnitSpec) -> int:
         return sum(ShardSpec(n, (n,), self.hw.world).padded for n in u.numels)
 
-    def admits(self, order: list[UnitSpec] | tuple[UnitSpec, ...], i: int) -> bool:
-        """Whether the engine prefetches ``order[i + 1]`` while gathering ``order[i]`` (the root, gathered
-        first, stays gathered through the pass)."""
-        need = self.elements(order[i + 1])
+    def admits(self, order: Sequence[UnitSpec], i: int, ahead: int = 1) -> bool:
+        """Whether the engine prefetches ``order[i + ahead]`` while gathering ``order[i]`` and the units
+        between (the root, gathered first, stays gathered through the pass)."""
+        need = self.elements(order[i + ahead])
         live = self.elements(order[0]) if i > 0 else 0
+        gathering = sum(self.elements(u) for u in order[i : i + ahead])
         bucket = self.w.prefetch_bucket if self.w.prefetch_bucket is not None else need
-        max_live = self.w.max_live if self.w.max_live is not None else live + self.elements(order[i]) + need
-        return need <= bucket and live + self.elements(order[i]) + need <= max_live
+        max_live = self.w.max_live if self.w.max_live is not None else live + gathering + need
+        return need <= bucket and live + gathering + need <= max_live
 
-    def _start_fwd(self, u: UnitSpec, current: bool) -> float:
+    def gather_unit(self, order: Sequence[UnitSpec], i: int, pending: dict[int, _Gather],
+                    start: Callable[[UnitSpec], _Gather], hops: Callable[[UnitSpec], list[coll.Collective]]) -> None:
+        """Unit ``i``'s gather as ``ZeroEngine._gather`` and ``_prefetch`` run it: its own gather unless it was
+        prefetched; the next unit's; a two-hop gather's first hop (Note [two-hop gather]) for the unit after
+        that, and the next unit's second hop; then the wait for unit ``i``."""
+        if i not in pending:
+            pending[i] = start(order[i])
+        ahead = pending.get(i + 1)
+        if ahead is None and i + 1 < len(order) and self.admits(order, i):
+            pending[i + 1] = start(order[i + 1])
+        if i + 2 < len(order) and i + 1 in pending and i + 2 not in pending and len(hops(order[i + 2])) > 1 \
+                and self.admits(order, i, 2):
+            pending[i + 2] = start(order[i + 2])
+        if ahead is not None and ahead[1]:
+            self.clock.wait(ahead[0])
+            pending[i + 1] = (self.clock.issue(ahead[1]), [])
+        self.finish_gather(pending[i])
+
+    def _start_fwd(self, u: UnitSpec, current: bool) -> _Gather:
         if self.choice.qwz_bits and not (self.choice.hpz > 1 and current):
             self.quantize(self.chunk(u.numels), self.choice.qwz_bits)
-        c = coll.forward_gather(u.numels, self.choice, self.layout, self.w.bf16, self.w.block, current)
-        return self.clock.issue([c])
+        return self.start_gather(coll.forward_gather(u.numels, self.choice, self.layout, self.w.bf16, self.w.block,
+                                                     current))
+
+    def start_gather(self, hops: list[coll.Collective]) -> _Gather:
+        """Issue a gather's first hop; a second one (a two-hop world gather) waits for ``gather_unit`` to
+        advance it, or for ``finish_gather``."""
+        return self.clock.issue(hops[:1]), hops[1:]
+
+    def finish_gather(self, gather: _Gather) -> None:
+        done, rest = gather
+        self.clock.wait(done)
+        if rest:
+            self.clock.wait(self.clock.issue(rest))
 
     def backward(self) -> None:
         units = self.model.units
         order = [units[0]] + list(reversed(units[1:]))
         bwd_share = 1.0 - self.fwd_share
         buckets = _Buckets(self)
-        pending: dict[int, float] = {}
+        pending: dict[int, _Gather] = {}
         for i, u in enumerate(order):
             if self.choice.stage == 3:
-                if i not in pending:
-                    pending[i] = self.clock.issue([self._bwd_gather(u)])
-                if i + 1 < len(order) and self.admits(order, i):
-                    pending[i + 1] = self.clock.issue([self._bwd_gather(order[i + 1])])
-                self.clock.wait(pending[i])
+                self.gather_unit(order, i, pending, lambda v: self.start_gather(self._bwd_gather(v)),
+                                 self._bwd_gather)
             self.run_compute(self.compute_of[u.name] * bwd_share)
             if i and self.choice.stage >= 2:
                 buckets.add_unit(u)
@@ -198,7 +227,7 @@ class _Step:
             buckets.add_unit(units[0])  # the root's gradients (embeddings) complete last
             buckets.finish()
 
-    def _bwd_gather(self, u: UnitSpec) -> coll.Collective:
+    def _bwd_gather(self, u: UnitSpec) -> list[coll.Collective]:
         return coll.backward_gather(u.numels, self.choice, self.layout, self.w.bf16)
 
     def step(self) -> None:
@@ -217,8 +246,8 @@ class _Step:
             self.clock.do(elements * self.elem / self.hw.host_link_bytes_per_s)
         if self.choice.stage < 3:
             for u in self.model.units:
-                done = self.clock.issue(coll.resident_gather(u.numels, self.layout, self.w.bf16, self.choice.stage))
-                self.clock.wait(done)
+                self.finish_gather(self.start_gather(coll.resident_gather(u.numels, self.layout, self.w.bf16,
+                                                                          self.choice.stage)))
                 self.clock.do(self.chunk(u.numels) * self.shard_world * self.elem / self.hw.copy_bytes_per_s)
 
     def run(self) -> StepTime:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from zeropp.comm.buffers import BufferPools
+from zeropp.comm.gather import Arrival, WorldRoute
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather
@@ -131,24 +132,28 @@ class FrozenGather:
 
     def __init__(self, comm: Comm, hpz: Optional[Group] = None) -> None:
         self.comm = comm
-        self.world = comm.topo.world
+        self.world = WorldRoute(comm)  # Note [two-hop gather] in comm/gather.py
         self.hpz = hpz if hpz is not None and hpz.size > 1 else None
         self.store = SecondaryStore()  # its rows are int8 wire rows here, W / s of them per unit
-        self.pools = BufferPools("frozen", "recv", "out", "scales")
+        self.pools = BufferPools("frozen", "recv", "hop1", "out", "scales")
 
     def start(self, unit: Unit, phase: Phase) -> PendingGather:
         if not isinstance(unit, QuantizedFrozenUnit):
             raise TypeError(f"unit {unit.module_name!r} holds no quantized frozen row")
-        rb = unit.fmt.row_bytes
-        received = self.pools["recv"].take(self.world.size * rb, torch.uint8, unit.device).view(self.world.size, rb)
         keep = None
         if self.hpz is not None and self.store.is_current(unit):
-            handle = self.comm.all_gather(received, self.store.rows[unit.index], self.hpz, phase, async_op=True)
+            rb, w = unit.fmt.row_bytes, self.world.size
+            received = self.pools["recv"].take(w * rb, torch.uint8, unit.device).view(w, rb)
+            arrival = Arrival(received, [self.comm.all_gather(received, self.store.rows[unit.index], self.hpz, phase,
+                                                              async_op=True)])
         else:
-            handle = self.comm.all_gather(received, unit.qrow, self.world, phase, async_op=True)
+            arrival = self.world.start(unit.qrow, self.pools["recv"], self.pools["hop1"], phase)
             if self.hpz is not None:
                 keep = functools.partial(self._keep, unit.index, unit.version)
-        return PendingQuantized(self.pools, unit.fmt, None, received, handle, unit, keep)
+        return PendingQuantized(self.pools, unit.fmt, None, arrival, unit, keep)
+
+    def two_hop(self, unit: Unit) -> bool:
+        return not (self.hpz is not None and self.store.is_current(unit)) and self.world.two_hop
 
     def _keep(self, index: int, version: int, received: torch.Tensor) -> None:
         """Keep this rank's ``W / s`` consecutive rows: the hpZ group's slices concatenate to all W rows."""
@@ -184,6 +189,9 @@ class FrozenApart:
 
     def start(self, unit: Unit, phase: Phase) -> PendingGather:
         return self._pick(unit).start(unit, phase)
+
+    def two_hop(self, unit: Unit) -> bool:
+        return self._pick(unit).two_hop(unit)
 
     def on_release(self, unit: Unit) -> None:
         self._pick(unit).on_release(unit)

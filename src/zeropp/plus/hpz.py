@@ -70,6 +70,9 @@ class HpzGather:
         return gather_into_pool(self.comm, self.pools["out"], row, unit.group_layout(self.group.size), self.group,
                                 phase)
 
+    def two_hop(self, unit: Unit) -> bool:
+        return not self.store.is_current(unit) and self.primary.two_hop(unit)
+
     def on_release(self, unit: Unit) -> None:
         if not self.store.is_current(unit):
             self.store.keep(unit, self.group.index_of(self.comm.topo.rank), self.group.size)

@@ -24,8 +24,8 @@ Note [overlapped second hop]: step 3 and 4 run as soon as hop 1 has arrived, fou
 the gradient buckets call as backward hands them gradients; ``finish`` only waits for hop 2 then. The
 public implementation ran the hops back to back. Only on gloo (CPU tensors): NCCL requires the same order
 of collectives across concurrent communicators on every rank, so on CUDA hop 2 starts in ``finish``. On
-gloo, starting hop 2 at a moment that differs between ranks is safe because the inter-node group carries
-nothing but hop 2, issued in bucket order on every rank (a
+gloo, starting hop 2 at a moment that differs between ranks is safe because its communicator
+(``Topology.inter_node_early``) carries nothing but hop 2, issued in bucket order on every rank (a
 bucket is finished, so its hop 2 issued, before the next one can progress); values do not depend on when.
 
 With LoCo (``plus/loco.py``, Note [LoCo error feedback]) the first quantization (step 1, or step 4 with one
@@ -170,7 +170,7 @@ class QuantizedReduce:
     def _send_inter(self, fmt: WireFormat, send: torch.Tensor) -> _Hop:
         n = send.shape[0]
         received = self.pools["recv"].take(n * fmt.row_bytes, torch.uint8, send.device).view(n, fmt.row_bytes)
-        inter = self.comm.topo.inter_node
+        inter = self.comm.topo.inter_node_early  # may be issued early, at a rank-dependent moment
         handle = self.comm.all_to_all(received, send, inter, Phase.GRAD_REDUCE, async_op=inter.size > 1)
         return _Hop(send, received, handle)
 

@@ -13,8 +13,9 @@ from typing import Callable, Optional
 import torch
 
 from zeropp.comm.buffers import BufferPools
+from zeropp.comm.gather import Arrival, WorldRoute
 from zeropp.comm.ledger import Phase
-from zeropp.comm.ops import Comm, Handle
+from zeropp.comm.ops import Comm
 from zeropp.partition.spec import RowLayout
 from zeropp.partition.unit import Unit
 from zeropp.plus.wire import WireFormat, decode_rows, encode_rows, first_poisoned
@@ -34,41 +35,45 @@ class PendingQuantized:
     """One unit's quantized gather in flight: holds its send and receive rows until ``finish``, and the
     dequantized rows it returns until ``recycle``.
 
-    ``pools`` has the roles "recv", "out" and "scales" (and "send" when ``send`` is given: a send row that
-    came from the pool; None when the strategy sent a row it keeps, e.g. a frozen unit's stored int8 row).
-    ``on_arrival`` sees the received ``[G, row_bytes]`` rows once they are complete, before they are decoded
-    and recycled (the frozen-weight hpZ copy keeps its slice of them there).
+    ``pools`` has the roles "recv" (``arrival``'s buffer), "out" and "scales" (and "send" when ``send`` is
+    given: a send row that came from the pool; None when the strategy sent a row it keeps, e.g. a frozen unit's
+    stored int8 row). ``on_arrival`` sees the received ``[G, row_bytes]`` rows in group order once they are
+    complete, before they are decoded and recycled (the frozen-weight hpZ copy keeps its slice of them there).
     """
 
-    def __init__(self, pools: BufferPools, fmt: WireFormat, send: Optional[torch.Tensor], received: torch.Tensor,
-                 handle: Handle, unit: Unit, on_arrival: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-        self.pools, self.fmt, self.handle = pools, fmt, handle
+    def __init__(self, pools: BufferPools, fmt: WireFormat, send: Optional[torch.Tensor], arrival: Arrival,
+                 unit: Unit, on_arrival: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        self.pools, self.fmt = pools, fmt
         self.send: Optional[torch.Tensor] = send
-        self.received: Optional[torch.Tensor] = received
+        self.arrival: Optional[Arrival] = arrival
         self.row, self.dtype, self.names = unit.row, unit.compute_dtype, unit.segment_names()
         self.on_arrival = on_arrival
-        self.out: Optional[torch.Tensor] = None
+        self.out: Optional[torch.Tensor] = None  # the decoded rows in arrival order (a pool buffer)
+        self.ranked = torch.empty(0)  # ``out`` in group order (a view)
 
     def finish(self) -> tuple[torch.Tensor, RowLayout]:
         if self.out is not None:
-            return self.out, self.row
-        pools, fmt = self.pools, self.fmt
-        self.handle.wait()
-        assert self.received is not None, "finish after a failed finish"
+            return self.ranked, self.row
+        pools, fmt, arrival = self.pools, self.fmt, self.arrival
+        assert arrival is not None, "finish after a failed finish"
+        self.arrival = None
+        received = arrival.wait()
+        g, nb = received.shape[0], fmt.layout.num_blocks
         if self.on_arrival is not None:
-            self.on_arrival(self.received)
-        g, nb = self.received.shape[0], fmt.layout.num_blocks
+            self.on_arrival(arrival.ranked(received).reshape(g, -1))
         numel = fmt.layout.numel
-        out = pools["out"].take(g * numel, self.dtype, self.received.device).view(g, numel)
-        scales = pools["scales"].take(g * nb, torch.float32, self.received.device).view(g, nb)
+        out = pools["out"].take(g * numel, self.dtype, received.device).view(g, numel)
+        scales = pools["scales"].take(g * nb, torch.float32, received.device).view(g, nb)
         try:
-            decode_rows(fmt, self.received, self.dtype, out, scales)
+            decode_rows(fmt, received, self.dtype, out, scales)
             poisoned = first_poisoned(scales, fmt.layout)
+            if poisoned is not None:  # name the first bad block in rank order (rare: the copy is affordable)
+                poisoned = first_poisoned(arrival.ranked(scales).reshape(g, nb), fmt.layout)
         finally:
-            for role, t in (("scales", scales), ("send", self.send), ("recv", self.received)):
+            for role, t in (("scales", scales), ("send", self.send), ("recv", received)):
                 if t is not None:
                     pools[role].give(t)
-            self.send = self.received = None
+            self.send = None
         if poisoned is not None:  # every rank received the same rows, so every rank raises here
             pools["out"].give(out)
             source, segment = poisoned
@@ -76,8 +81,12 @@ class PendingQuantized:
                 f"parameter {self.names[segment]!r} holds inf or nan in rank {source}'s shard; qwZ will not "
                 f"quantize it (the weights were corrupted before this gather)"
             )
-        self.out = out
-        return out, self.row
+        self.out, self.ranked = out, arrival.ranked(out)
+        return self.ranked, self.row
+
+    def advance(self) -> None:
+        if self.arrival is not None:
+            self.arrival.advance()
 
     def recycle(self) -> None:
         if self.out is not None:
@@ -86,15 +95,16 @@ class PendingQuantized:
 
 
 class QuantizedGather:
-    """Gather a unit over ``group`` as quantized rows; dequantize on arrival."""
+    """Gather a unit over ``group`` (default: the world, by its route: Note [two-hop gather] in
+    ``comm/gather.py``) as quantized rows; dequantize on arrival."""
 
     def __init__(self, comm: Comm, bits: int, block_size: int, group: Group | None = None) -> None:
         self.comm = comm
         self.bits = bits
         self.block_size = block_size
-        self.group = group or comm.topo.world
+        self.route = WorldRoute(comm, group)
         self._formats: dict[int, WireFormat] = {}
-        self.pools = BufferPools("qwz", "send", "recv", "out", "scales")
+        self.pools = BufferPools("qwz", "send", "recv", "hop1", "out", "scales")
 
     def layout(self, unit: Unit) -> BlockLayout:
         return self.wire_format(unit).layout
@@ -107,7 +117,7 @@ class QuantizedGather:
     def start(self, unit: Unit, phase: Phase) -> PendingQuantized:
         fmt = self.wire_format(unit)
         shard = unit.shard_row()
-        g, rb, dev = self.group.size, fmt.row_bytes, shard.device
+        rb, dev = fmt.row_bytes, shard.device
         send = self.pools["send"].take(rb, torch.uint8, dev).view(1, rb)
         nb = fmt.layout.num_blocks
         scales = self.pools["scales"].take(nb, torch.float32, dev).view(1, nb)
@@ -115,9 +125,11 @@ class QuantizedGather:
             encode_rows(fmt, [shard], send, scales)
         finally:
             self.pools["scales"].give(scales)
-        received = self.pools["recv"].take(g * rb, torch.uint8, dev).view(g, rb)
-        handle = self.comm.all_gather(received, send[0], self.group, phase, async_op=True)
-        return PendingQuantized(self.pools, fmt, send, received, handle, unit)
+        arrival = self.route.start(send[0], self.pools["recv"], self.pools["hop1"], phase)
+        return PendingQuantized(self.pools, fmt, send, arrival, unit)
+
+    def two_hop(self, unit: Unit) -> bool:
+        return self.route.two_hop
 
     def on_release(self, unit: Unit) -> None:
         pass

@@ -382,19 +382,32 @@ class ZeroEngine(DeepSpeedSurface):
         self.gathered_weights.gathered(unit)
 
     def _prefetch(self, which: Pass, position: int) -> None:
-        """Start gathering the unit that followed this one last time, so it overlaps this unit's compute."""
+        """Start gathering the unit that followed this one last time, so it overlaps this unit's compute.
+
+        A two-hop gather (Note [two-hop gather] in ``comm/gather.py``) starts its first hop two units ahead and
+        is advanced (its second hop issued) one unit ahead, here, at the same point on every rank.
+        """
         last = self._last_order[which]
         if position + 1 >= len(last) or last[position] is not self._order[which][position]:
             return
         nxt = last[position + 1]
-        # one prefetch in flight at most, within stage3_prefetch_bucket_size / stage3_max_live_parameters
-        if nxt.state is UnitState.SHARDED and not self._inflight and \
-                self.gathered_weights.admits(nxt, gathering=last[position]):
+        ahead = self._inflight.get(nxt)  # started one unit ago: a two-hop gather's first hop
+        # one full gather in flight at most, within stage3_prefetch_bucket_size / stage3_max_live_parameters
+        if ahead is None and nxt.state is UnitState.SHARDED and not self._inflight and \
+                self.gathered_weights.admits(nxt, last[position]):
             pending = self._start_gather(nxt, which, optional=True)
             if pending is not None:
                 self._inflight[nxt] = pending
-        if position + 2 < len(last):  # NVMe: read the shard after that one while these gathers run
-            self.residency.prefetch_shard(last[position + 2])
+        if position + 2 < len(last):
+            after = last[position + 2]
+            if nxt in self._inflight and len(self._inflight) == 1 and after.state is UnitState.SHARDED and \
+                    self._strategy(which).two_hop(after) and self.gathered_weights.admits(after, last[position], nxt):
+                pending = self._start_gather(after, which, optional=True)
+                if pending is not None:
+                    self._inflight[after] = pending
+            self.residency.prefetch_shard(after)  # NVMe: read the shard while these gathers run
+        if ahead is not None:  # after the next first hop was issued, so the link stays busy while this waits
+            ahead.advance()
 
     def _release(self, unit: Unit, which: Pass) -> None:
         if unit.state is UnitState.GATHERED:

@@ -195,7 +195,8 @@ class GatheredWeights:
     ``max_live`` (``stage3_max_live_parameters``) bounds the elements gathered plus in flight when a prefetch
     starts, and ``prefetch_bucket`` (``stage3_prefetch_bucket_size``) the elements one prefetch may bring;
     0 turns prefetching off, as in DeepSpeed. A gather the model needs now is never refused: the bounds
-    apply to gathers started ahead of use (the engine prefetches at most one unit ahead).
+    apply to gathers started ahead of use (the engine prefetches one unit ahead; a two-hop gather's first hop
+    two units ahead, counted with the unit between).
     """
 
     max_live: int
@@ -217,10 +218,11 @@ class GatheredWeights:
             self._units.discard(unit)
             self.live -= unit_elements(unit)
 
-    def admits(self, unit: Unit, gathering: Unit) -> bool:
-        """Whether a prefetch of ``unit`` fits while ``gathering`` (not counted yet) is being gathered."""
+    def admits(self, unit: Unit, *gathering: Unit) -> bool:
+        """Whether a prefetch of ``unit`` fits while ``gathering`` (not counted yet) are being gathered."""
         need = unit_elements(unit)
-        return need <= self.prefetch_bucket and self.live + unit_elements(gathering) + need <= self.max_live
+        return need <= self.prefetch_bucket and \
+            self.live + sum(unit_elements(u) for u in gathering) + need <= self.max_live
 
     def close_step(self) -> None:
         self.last_step_peak, self.peak = self.peak, self.live
@@ -248,7 +250,8 @@ def weight_storages(module: torch.nn.Module) -> set[int]:
 # units. Per element of one gather or bucket, summed over a strategy's roles: the compute-dtype rows it
 # returns and, with hpZ, the secondary gather's rows (2 x itemsize); quantized wire rows, sent and received,
 # at most 1 byte of payload and 2 bytes of fp32 scale per element each (a chunk holds at least 2 elements,
-# Note [shard layout]), and the decoded scales (<= 8 bytes); for a reduction the bucket's receive rows and
+# Note [shard layout]), a two-hop gather's first-hop rows (1/D of the received ones, Note [two-hop gather]
+# in comm/gather.py), and the decoded scales (<= 8 bytes in all); for a reduction the bucket's receive rows and
 # qgZ's fp32 sums and partials (<= 2 x itemsize + 16 bytes, see plus/qgz.py's roles).
 GATHERS_IN_FLIGHT = 2  # the gather being finished and one prefetch (ZeroEngine._prefetch)
 BUCKETS_IN_FLIGHT = 2  # one bucket reducing while the next fills (zero/buckets.py)
