@@ -21,6 +21,7 @@ from typing import Any, Optional
 from zeropp.cluster_bench import report
 from zeropp.cluster_bench.cluster import Cluster, ClusterError, cleanup_prefix
 from zeropp.cluster_bench.catalog import SYSTEMS
+from zeropp.cluster_bench.models import MODELS, build_model, num_parameters
 
 BANDWIDTHS = {"unlimited": None, "1gbit": "1gbit", "200mbit": "200mbit", "100mbit": "100mbit"}
 DEFAULT_SYSTEMS = list(SYSTEMS)
@@ -41,6 +42,8 @@ def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentPars
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before each bandwidth's timed steps")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--model", choices=MODELS, default="demo",
+                   help="demo: zeropp's GPT; hf-gpt2: transformers' GPT2LMHeadModel of the same shape (default: demo)")
     p.add_argument("--n-layer", type=int, default=BENCH_MODEL["n_layer"])
     p.add_argument("--n-embd", type=int, default=BENCH_MODEL["n_embd"])
     p.add_argument("--n-head", type=int, default=BENCH_MODEL["n_head"])
@@ -167,6 +170,7 @@ def _error_summary(log_dir: str) -> str:
 def build_spec(args: argparse.Namespace, phases: list[str], control_dir: str, wire: bool) -> dict[str, Any]:
     model = dict(TINY_MODEL) if args.tiny else {"n_layer": args.n_layer, "n_embd": args.n_embd,
                                                  "n_head": args.n_head, "block_size": args.block_size}
+    model["kind"] = args.model
     return {"model": model, "seed": args.seed, "phases": phases, "warmup": args.warmup, "steps": args.steps,
             "ranks_per_node": args.ranks_per_node, "control_dir": control_dir, "wire_counters": wire,
             "wait_timeout_s": args.timeout,
@@ -262,10 +266,7 @@ def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
     spec_path = os.path.join(work, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    from zeropp.demo.model import GPT, GPTConfig
-
-    params = GPT(GPTConfig(**{k: spec["model"][k] for k in ("n_layer", "n_embd", "n_head", "block_size")}
-                           )).num_parameters()
+    params = num_parameters(build_model(spec["model"]))
     meta: dict[str, Any] = {
         "command": argv_text, "date": datetime.date.today().isoformat(), "machine": machine(), "mode": mode,
         "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "bandwidths": phases, "systems": systems,

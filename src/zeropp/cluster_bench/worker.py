@@ -25,7 +25,7 @@ import torch.distributed as dist
 from zeropp.cluster_bench import systems
 from zeropp.cluster_bench.cluster import read_link_counters
 from zeropp.demo.data import corpus_tokens, get_batch
-from zeropp.demo.model import GPT, GPTConfig
+from zeropp.cluster_bench.models import build_model, num_parameters
 
 
 def wait_for(path: str, timeout_s: float) -> None:
@@ -56,9 +56,8 @@ class Run:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         m = spec["model"]
         torch.manual_seed(spec["seed"])
-        model = GPT(GPTConfig(block_size=m["block_size"], n_layer=m["n_layer"], n_head=m["n_head"],
-                              n_embd=m["n_embd"]))
-        self.parameters = model.num_parameters()
+        model = build_model(m)
+        self.parameters = num_parameters(model)
         s = spec["train"]
         self.settings = systems.TrainSettings(lr=s["lr"], betas=tuple(s["betas"]), eps=s["eps"],
                                               weight_decay=s["weight_decay"], clip=s["clip"],
