@@ -1,7 +1,8 @@
 """One optimizer step replayed as the engine runs it (``zero/engine.py``, ``zero/buckets.py``), with times.
 
-Two resources per rank: the main thread (compute, quantization, bucket packing, sums, the optimizer) and one
-communication channel that runs collectives in the order they are issued. What the engine overlaps:
+Two kinds of resource per rank: the main thread (compute, quantization, bucket packing, sums, the optimizer)
+and two communication channels, one for collectives that cross nodes and one for those inside a node, each
+running its collectives in the order they are issued. What the engine overlaps:
 
 * forward: a unit's pre-hook issues its own gather (if not prefetched) and then the next unit's (the order
   recorded in the last pass), then waits for its own: the gather of unit i+1 runs while unit i computes (a
@@ -61,11 +62,14 @@ class Workload:
 
 @dataclass
 class _Clock:
-    """The main thread's time, the channel's free time, and the tallies the prediction reports."""
+    """The main thread's time, each channel's free time, and the tallies the prediction reports.
+
+    Two channels: collectives that cross nodes, and those that stay inside one (hpZ's gathers, qgZ's first
+    hop, a two-hop gather's second), which use other links and run at the same time."""
 
     hw: Hardware
     main: float = 0.0
-    channel: float = 0.0
+    channels: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # crosses nodes?
     work: float = 0.0  # main-thread busy seconds
     host_comm: float = 0.0  # host seconds of collectives
     comm: float = 0.0  # channel busy seconds
@@ -77,12 +81,13 @@ class _Clock:
         self.work += seconds
 
     def issue(self, collectives: list[coll.Collective]) -> float:
-        """Queue ``collectives`` back to back on the channel; returns when the last one completes."""
+        """Queue ``collectives`` back to back, each on its channel; returns when the last one completes."""
         done = self.main
         for c in collectives:
             seconds, host = coll.duration(c, self.hw)
-            start = max(self.main, self.channel)
-            self.channel = done = start + seconds
+            crosses = c.volume.inter_node_bytes > 0
+            start = max(done, self.channels[crosses])
+            self.channels[crosses] = done = start + seconds
             self.comm += seconds
             self.host_comm += host
             tally = self.volumes.setdefault(c.phase, [0, 0])
