@@ -268,6 +268,7 @@ def initialize(
     except BaseException:
         residency.close()  # no offload file outlives a failed start
         raise
+    checkpointing.attach(comm)  # partition_activations "node" splits checkpoints over this engine's nodes
     loader = None
     if training_data is not None:  # DeepSpeed's loader: micro-batches of this rank's part of each epoch
         sampler = torch.utils.data.DistributedSampler(

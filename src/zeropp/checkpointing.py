@@ -21,8 +21,10 @@ apply (to a Hugging Face model too, through :func:`gradient_checkpointing_enable
   CPU-only run the host is the compute device and nothing is copied; :func:`set_link` injects a link (a
   test plays a separate device with ``ThreadedLink``).
 * ``partition_activations``: DeepSpeed splits each checkpoint across the model-parallel group and keeps it
-  whole when that group has one rank. zeropp has no model parallelism, so it does the same (a
-  ``ConfigWarning`` says so once).
+  whole when that group has one rank. zeropp has no model parallelism, so ``true`` does the same (a
+  ``ConfigWarning`` says so once). ``"node"`` splits each checkpoint input across the data-parallel ranks of
+  the node (Note [node-split checkpoints] in ``activation_split.py``): a rank then holds the node's mean of
+  the checkpoint bytes instead of its own, which helps when the ranks' micro-batches differ in size.
 * ``contiguous_memory_optimization`` with ``number_checkpoints``: the inputs are copied into slots of one
   buffer per input size, allocated once with ``number_checkpoints`` slots, so long-lived checkpoints do not
   interleave with short-lived activations in the allocator (ZeRO-R's defragmentation). More inputs alive at
@@ -47,12 +49,14 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from zeropp.activation_split import NodeSplit, SplitInput
+from zeropp.comm.ops import Comm
 from zeropp.offload.link import HOST, HostLink, Transfer, build_link
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 from zeropp.zero.memory import count_on_host, outer_saved_tensor_hooks, register_buffers
 
 __all__ = ["checkpoint", "configure", "apply_config", "is_configured", "reset", "set_link", "timings", "settings",
-           "gradient_checkpointing_enable", "Settings"]
+           "gradient_checkpointing_enable", "attach", "Settings"]
 
 log = logging.getLogger("zeropp")
 
@@ -61,7 +65,7 @@ log = logging.getLogger("zeropp")
 class Settings:
     """DeepSpeed's ``activation_checkpointing`` keys, as :func:`configure` set them."""
 
-    partition_activations: bool = False
+    partition_activations: bool | str = False  # True: DeepSpeed's (whole, no model parallelism); "node": split
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
     number_checkpoints: Optional[int] = None
@@ -77,13 +81,15 @@ _times: dict[str, list[float]] = {}  # profile: kind -> [count, total seconds]
 _lock = threading.RLock()  # slots come back when autograd frees a saved input, maybe on its device thread
 _warned: set[str] = set()  # the notes given so far (each once per process)
 _deferred: Optional[str] = None  # a problem of the settings apply_config took, raised when a checkpoint runs
+_split: Optional[NodeSplit] = None  # attach(): the node's ranks, for partition_activations "node"
 
 PARTITION_NOTE = (
     "activation_checkpointing.partition_activations: DeepSpeed splits each activation checkpoint across the "
     "model-parallel group and keeps it whole when that group has one rank. zeropp has no model parallelism, "
-    "so every rank keeps its checkpoints whole, as DeepSpeed does then. Splitting them across data-parallel "
-    "ranks would not lower memory per rank: each rank would hold 1/D of each of D peers' equally large "
-    "checkpoints, the same bytes, plus traffic to gather them back.")
+    "so every rank keeps its checkpoints whole, as DeepSpeed does then. partition_activations: \"node\" splits "
+    "them across the data-parallel ranks of a node instead; that does not lower memory per rank when the ranks' "
+    "micro-batches are alike (each holds 1/D of D equally large checkpoints) and costs traffic inside the node "
+    "(docs/config.md).")
 SCOPE_NOTE = (
     "activation_checkpointing: these settings apply to zeropp.checkpointing.checkpoint (deepspeed.checkpointing."
     "checkpoint) and to Hugging Face models enabled with zeropp.checkpointing.gradient_checkpointing_enable(model); "
@@ -104,14 +110,14 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if kwargs:
         function, args = _positional(function, args, kwargs)
     edges = _Edges(s, args)
-    hooks = _InputHooks(s) if (s.cpu_checkpointing or s.contiguous_memory_optimization) and \
-        torch.is_grad_enabled() else contextlib.nullcontext()
+    moves = s.cpu_checkpointing or s.contiguous_memory_optimization or s.partition_activations == "node"
+    hooks = _InputHooks(s) if moves and torch.is_grad_enabled() else contextlib.nullcontext()
     with edges.around("forward"), hooks:
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
                                            context_fn=edges.context_fn())
 
 
-def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: Optional[bool] = None,
+def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: Optional[bool | str] = None,
               contiguous_checkpointing: Optional[bool] = None, num_checkpoints: Optional[int] = None,
               checkpoint_in_cpu: Optional[bool] = None, synchronize: Optional[bool] = None,
               profile: Optional[bool] = None) -> None:
@@ -120,8 +126,9 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     keyword arguments. Each call starts from the defaults, as DeepSpeed's does.
 
     Raises :class:`~zeropp.zero.deepspeed_surface.DeepSpeedAPIError` for ``mpu_`` (model parallelism), for
-    contiguous checkpointing without ``number_checkpoints`` and for contiguous checkpointing together with
-    ``cpu_checkpointing`` (DeepSpeed's contiguous buffers stay on the device; so would these).
+    contiguous checkpointing without ``number_checkpoints``, for contiguous checkpointing together with
+    ``cpu_checkpointing`` (DeepSpeed's contiguous buffers stay on the device; so would these), and for
+    ``partition_activations="node"`` together with either (or any other value than a boolean or ``"node"``).
     """
     if mpu_ is not None:
         raise DeepSpeedAPIError("checkpointing.configure(mpu_=...): model parallelism is not implemented by "
@@ -164,6 +171,11 @@ def _from_config(config: Any) -> Settings:
 
 
 def _problem(s: Settings) -> Optional[str]:
+    if not isinstance(s.partition_activations, bool) and s.partition_activations != "node":
+        return f"partition_activations must be true, false or \"node\", got {s.partition_activations!r}"
+    if s.partition_activations == "node" and (s.cpu_checkpointing or s.contiguous_memory_optimization):
+        return ("partition_activations \"node\" together with cpu_checkpointing or contiguous_memory_optimization "
+                "is not supported: the split pieces stay in device memory; choose one")
     if s.contiguous_memory_optimization and s.number_checkpoints is None:
         return "contiguous_memory_optimization needs number_checkpoints (num_checkpoints), which sizes its buffer"
     if s.contiguous_memory_optimization and s.cpu_checkpointing:
@@ -173,7 +185,7 @@ def _problem(s: Settings) -> Optional[str]:
 
 
 def _install(s: Settings, deferred: Optional[str]) -> None:
-    if s.partition_activations:
+    if s.partition_activations is True:
         _warn_partition_once()
     global _settings, _deferred
     with _lock:
@@ -198,6 +210,13 @@ def reset() -> None:
     drops it."""
     with _lock:
         _slots.clear()
+
+
+def attach(comm: Optional[Comm]) -> None:
+    """The process groups ``partition_activations: "node"`` splits over (the node's ranks of ``comm``'s
+    topology); ``zeropp.initialize`` attaches its engine's. None detaches."""
+    global _split
+    _split = NodeSplit(comm) if comm is not None else None
 
 
 def set_link(link: Optional[HostLink]) -> None:
@@ -244,8 +263,9 @@ def gradient_checkpointing_enable(model: nn.Module, every_n_layers: int = 1) -> 
 # ---- where saved inputs wait -------------------------------------------------------------------------------
 class _InputHooks(torch.autograd.graph.saved_tensors_hooks):
     """Around one checkpoint call: the inputs it saves for the rerun (autograd saves nothing else here, the
-    function's own tensors go to torch's checkpoint hooks) wait on the host or in a slot; anything else goes
-    on to the hooks that were active before (Note [activation meter] in ``zero/memory.py``)."""
+    function's own tensors go to torch's checkpoint hooks) wait on the host, in a slot or split across the
+    node; anything else goes on to the hooks that were active before (Note [activation meter] in
+    ``zero/memory.py``)."""
 
     def __init__(self, s: Settings) -> None:
         outer = outer_saved_tensor_hooks()
@@ -258,8 +278,13 @@ class _InputHooks(torch.autograd.graph.saved_tensors_hooks):
         # hooks keep nothing there, its rerun rebuilds it): nothing to move
         nested = getattr(outer_pack, "__qualname__", "").startswith(("_checkpoint_hook.", "_recomputation_hook."))
 
+        split = _node_split() if s.partition_activations == "node" and not nested else None
+
         def pack(t: torch.Tensor) -> Any:
             if not nested and _is_activation(t):
+                if split is not None:
+                    kept = split.split(t, _dense(t))
+                    return _Kept(outer_pack(kept.pieces), split=kept)
                 if s.cpu_checkpointing:
                     on_host = _to_host(t)
                     if on_host is not None:
@@ -270,7 +295,13 @@ class _InputHooks(torch.autograd.graph.saved_tensors_hooks):
             return _Kept(outer_pack(t))
 
         def unpack(saved: Any) -> torch.Tensor:
-            return saved.restore() if isinstance(saved, _OnHost) else outer_unpack(saved.inner)
+            if isinstance(saved, _OnHost):
+                return saved.restore()
+            if saved.split is not None:
+                assert split is not None
+                saved.split.pieces = outer_unpack(saved.inner)
+                return split.join(saved.split)
+            return outer_unpack(saved.inner)
 
         super().__init__(pack, unpack)
 
@@ -279,6 +310,15 @@ class _InputHooks(torch.autograd.graph.saved_tensors_hooks):
 class _Kept:
     inner: Any  # what the outer hooks packed
     slot: Optional["_Slot"] = None  # contiguous: held until autograd drops this
+    split: Optional[SplitInput] = None  # partition_activations "node": what to rebuild the input from
+
+
+def _node_split() -> Optional[NodeSplit]:
+    """The node's ranks to split over (None when a node has one rank: nothing to split)."""
+    if _split is None:
+        raise DeepSpeedAPIError("activation_checkpointing.partition_activations \"node\" needs the ranks of the "
+                                "node: build the engine with zeropp.initialize before the first checkpoint")
+    return _split if _split.size > 1 else None
 
 
 @dataclass

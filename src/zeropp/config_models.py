@@ -333,9 +333,13 @@ class ActivationCheckpointingConfig(Section):
     ``torch.utils.checkpoint`` ignores them.
     """
 
-    partition_activations: bool = F(False, doc="DeepSpeed splits each checkpoint across the model-parallel "
-                                    "group (whole with a group of one); zeropp has none, so checkpoints stay "
-                                    "whole, as in DeepSpeed then (a ConfigWarning says so).")
+    partition_activations: bool | Literal["node"] = F(
+        False, doc="true: DeepSpeed splits each checkpoint across the model-parallel group (whole with a group of "
+        "one); zeropp has none, so checkpoints stay whole, as in DeepSpeed then (a ConfigWarning says so). "
+        "\"node\" (our extension): each checkpoint input is split across the data-parallel ranks of the node, "
+        "so a rank holds the node's mean of the checkpoint bytes instead of its own (less on the rank with the "
+        "largest micro-batch when they differ; the same when they are alike), for 2 x (D-1)/D of the bytes "
+        "over the node's link per step.")
     cpu_checkpointing: bool = F(False, doc="Keep the checkpoint inputs in host memory until the rerun (copied "
                                 "through the host link, asynchronously on CUDA; nothing to copy on a CPU-only "
                                 "run).")

@@ -164,6 +164,24 @@ class Comm:
         return self._run("all_to_all", group, phase, async_op, lambda: dist.all_to_all_single(
             out, inp, group=group.handle, async_op=async_op))
 
+    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                     group: Group, phase: Phase) -> None:
+        """Uneven all-to-all (1-D tensors): ``in_splits[i]`` elements of ``inp`` go to member ``i``,
+        ``out_splits[i]`` elements of ``out`` come from it, in member order."""
+        if sum(in_splits) != inp.numel() or sum(out_splits) != out.numel() or \
+                len(in_splits) != group.size or len(out_splits) != group.size:
+            raise ValueError(f"all_to_all_v: splits {in_splits} -> {out_splits} do not fit {inp.numel()} -> "
+                             f"{out.numel()} elements over {group.size} members")
+        if group.size == 1:
+            out.copy_(inp)
+            return
+        me, size = self.topo.rank, inp.element_size()
+        intra = sum(n for r, n in zip(group.ranks, out_splits) if r != me and self.topo.same_node(r))
+        inter = sum(n for r, n in zip(group.ranks, out_splits) if not self.topo.same_node(r))
+        self.ledger.record(phase, intra * size, inter * size)
+        self._run("all_to_all_v", group, phase, False, lambda: dist.all_to_all_single(
+            out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group.handle))
+
     def all_reduce(self, t: torch.Tensor, group: Group, phase: Phase = Phase.OTHER, op: str = "sum",
                    async_op: bool = False) -> Handle:
         """In-place all-reduce; counted as a ring all-reduce receives, 2(P-1)/P of the tensor, split by link."""
