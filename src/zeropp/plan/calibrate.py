@@ -67,6 +67,7 @@ def link_probes(comm: Any, intra: bool, device_name: str = "cpu") -> dict[str, A
     if topo.num_nodes > 1:
         for key, pattern, group in (("all_gather", "all_gather", topo.world), ("all_to_all", "all_to_all", topo.world),
                                     ("all_to_all_inter", "all_to_all", topo.inter_node),
+                                    ("all_gather_inter", "all_gather", topo.inter_node),
                                     ("all_reduce", "all_reduce", topo.world)):
             out["inter"][key] = probes.collective_points(comm, pattern, group, device=dev)
     if intra and topo.ranks_per_node > 1:

@@ -8,8 +8,8 @@ collective's pattern (gloo's, as the ledger counts them; NCCL's rings behave ali
   receives, and one edge leaves each node, so a node's link carries the per-rank total (intra + inter).
 * all-to-all, and the first hop of a two-hop world gather (``all_gather_inter``: one rank per node, a group per
   local index): every rank sends its own rows to every member, so a node's link carries (members on the node)
-  x (what one rank receives from other nodes); calibrated as ``all_to_all_inter`` (between two nodes the two
-  are the same exchange). The plain reduce-scatter is one all-to-all over the world
+  x (what one rank receives from other nodes); calibrated by probes of both over the inter-node group (a
+  profile without the gather's uses the all-to-all's: between two nodes the two are the same exchange). The plain reduce-scatter is one all-to-all over the world
   (``comm/reduce.py``): with D ranks per node it puts D x (W - D) / (W - 1) times a ring's bytes on the link.
 
 Time of one collective: ``max(host, alpha + inter wire / (rate x efficiency), intra wire / intra rate)``, where
@@ -77,9 +77,12 @@ def intra_wire(c: Collective) -> float:
 
 
 def _host_pattern(c: Collective, hw: Hardware) -> str:
-    """Which measured host fit times ``c``: the world's fits, or the node's when the world is one node."""
-    pattern = {"ring_reduce_scatter": "all_gather", "all_gather_inter": "all_to_all_inter"}.get(c.pattern,
-                                                                                                 c.pattern)
+    """Which measured host fit times ``c``: the world's fits, or the node's when the world is one node; a
+    two-hop gather's first hop by its own fits, or (profiles made before it was probed) the all-to-all's
+    among the same ranks."""
+    pattern = {"ring_reduce_scatter": "all_gather"}.get(c.pattern, c.pattern)
+    if pattern == "all_gather_inter" and pattern not in hw.host_fits and pattern not in hw.shaped_fits:
+        pattern = "all_to_all_inter"
     if hw.nodes == 1 and pattern in ("all_gather", "all_to_all"):
         return "intra_" + pattern
     return pattern

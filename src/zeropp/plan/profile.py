@@ -44,7 +44,8 @@ class InterLink:
 
     label: str
     gbps: Optional[float]
-    fits: dict[str, Fit]  # "all_gather" / "all_to_all" over the world, "all_to_all_inter", "all_reduce"
+    fits: dict[str, Fit]  # "all_gather" / "all_to_all" over the world, "all_to_all_inter", "all_gather_inter"
+    # (among one rank per node), "all_reduce"
 
 
 @dataclass(frozen=True)
