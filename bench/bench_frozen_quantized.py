@@ -40,14 +40,9 @@ def _model() -> torch.nn.Module:
     return add_lora(LlamaForCausalLM(cfg))
 
 
-def worker(rank: int, world: int, steps: int) -> dict:
-    import zeropp
-    engines = {}
-    for name, zero in VARIANTS.items():
-        cfg = {"train_micro_batch_size_per_gpu": MICRO, "bf16": {"enabled": True},
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "zero_optimization": {"stage": 3, **zero}, "topology": {"ranks_per_node": 2}}
-        engines[name] = zeropp.initialize(model=_model(), config=cfg)[0]
+def train_interleaved(engines: dict, rank: int, world: int, steps: int) -> tuple[dict, dict]:
+    """``steps`` steps of every engine on the same batches, their steps interleaved: per engine the step times
+    and the losses (mean over ranks)."""
     times: dict[str, list[float]] = {n: [] for n in engines}
     losses: dict[str, list[float]] = {n: [] for n in engines}
     for step in range(steps):
@@ -62,6 +57,18 @@ def worker(rank: int, world: int, steps: int) -> dict:
             value = loss.detach().float().reshape(1).clone()
             torch.distributed.all_reduce(value)
             losses[name].append(value.item() / world)
+    return times, losses
+
+
+def worker(rank: int, world: int, steps: int) -> dict:
+    import zeropp
+    engines = {}
+    for name, zero in VARIANTS.items():
+        cfg = {"train_micro_batch_size_per_gpu": MICRO, "bf16": {"enabled": True},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": 3, **zero}, "topology": {"ranks_per_node": 2}}
+        engines[name] = zeropp.initialize(model=_model(), config=cfg)[0]
+    times, losses = train_interleaved(engines, rank, world, steps)
     out: dict = {}
     for name, engine in engines.items():
         frozen = sum(p.numel() for p in engine.module.parameters() if not p.requires_grad)

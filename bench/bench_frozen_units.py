@@ -16,13 +16,10 @@ import argparse
 import os
 import statistics
 import sys
-import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from bench_frozen_quantized import MICRO, SEQ, VOCAB, _model  # noqa: E402
+from bench_frozen_quantized import MICRO, _model, train_interleaved  # noqa: E402
 from results_io import RESULTS, write_results  # noqa: E402
 
 SYSTEMS = {"zero3": {}, "zeropp": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2,
@@ -48,20 +45,7 @@ def worker(rank: int, world: int, steps: int) -> dict:
     out: dict = {}
     for system, zero in SYSTEMS.items():
         engines = {"whole": _engine(zero, True), "apart": _engine(zero, False)}
-        times: dict[str, list[float]] = {n: [] for n in engines}
-        losses: dict[str, list[float]] = {n: [] for n in engines}
-        for step in range(steps):
-            g = torch.Generator().manual_seed(1000 * step + rank)
-            x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
-            for name, engine in engines.items():
-                start = time.perf_counter()
-                loss = engine(input_ids=x, labels=x).loss
-                engine.backward(loss)
-                engine.step()
-                times[name].append(time.perf_counter() - start)
-                value = loss.detach().float().reshape(1).clone()
-                torch.distributed.all_reduce(value)
-                losses[name].append(value.item() / world)
+        times, losses = train_interleaved(engines, rank, world, steps)
         for name, engine in engines.items():
             out[f"{system}_{name}"] = {"median_step_s": statistics.median(times[name][1:]), "losses": losses[name],
                                        "model_states": engine.model_state_bytes(), "comm": engine.comm_report(),

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import zeropp
-from support.hf_models import hf_batch, hf_loss
-from support.lora import lora_llama
+from support.lora import lora_llama, train_lora
 from support.world import run_world
 from zeropp import accounting
 from zeropp.partition.spec import ShardSpec, take_chunk
@@ -36,17 +35,7 @@ def _engine(zero: dict, seed: int = 0, world: int = WORLD):
 
 
 def _train(engine, rank: int, steps: int, first: int = 0, world: int = WORLD) -> list[float]:
-    """Optimizer steps on the same global batches whatever the world size; the loss of each (rank mean)."""
-    micro, losses = WORLD * MICRO // world, []
-    for step in range(first, first + steps):
-        x, y = hf_batch(step, WORLD * MICRO)
-        loss = hf_loss(engine, x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
-        engine.backward(loss)
-        engine.step()
-        value = loss.detach().float().reshape(1).clone()
-        torch.distributed.all_reduce(value)
-        losses.append(value.item() / world)
-    return losses
+    return train_lora(engine, rank, steps, first, world, WORLD * MICRO)
 
 
 def _expected_frozen(world: int, values: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 
 import zeropp
 from support.hf_models import hf_batch, hf_loss
-from support.lora import lora_llama
+from support.lora import lora_llama, train_lora
 from support.world import run_world
 from zeropp.partition.unit import FrozenUnit
 from zeropp.zero.engine import ZeroEngine
@@ -42,16 +42,7 @@ def _whole(zero: dict):
 
 
 def _train(engine, rank: int, steps: int, first: int = 0) -> list[float]:
-    losses = []
-    for step in range(first, first + steps):
-        x, y = hf_batch(step, WORLD * MICRO)
-        loss = hf_loss(engine, x[rank * MICRO : (rank + 1) * MICRO], y[rank * MICRO : (rank + 1) * MICRO])
-        engine.backward(loss)
-        engine.step()
-        value = loss.detach().float().reshape(1).clone()
-        torch.distributed.all_reduce(value)
-        losses.append(value.item() / WORLD)
-    return losses
+    return train_lora(engine, rank, steps, first, WORLD, WORLD * MICRO)
 
 
 def _run(engine, rank: int) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from support.hf_models import llama
+from support.hf_models import hf_batch, hf_loss, llama
 
 
 class LoraLinear(nn.Module):
@@ -37,3 +37,17 @@ def lora_llama(seed: int = 0) -> nn.Module:
     """The small Llama of ``hf_models`` with adapters (:func:`add_lora`)."""
     torch.manual_seed(seed)
     return add_lora(llama())
+
+
+def train_lora(engine, rank: int, steps: int, first: int = 0, world: int = 4, global_batch: int = 8) -> list[float]:
+    """Optimizer steps on the same global batches whatever the world size; the loss of each (rank mean)."""
+    micro, losses = global_batch // world, []
+    for step in range(first, first + steps):
+        x, y = hf_batch(step, global_batch)
+        loss = hf_loss(engine, x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().float().reshape(1).clone()
+        torch.distributed.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
