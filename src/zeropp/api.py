@@ -5,6 +5,7 @@ and policy the engine is handed (see :func:`build_strategies`).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import inspect
 import os
@@ -118,6 +119,9 @@ def _ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
     (``init_method``, ``rank``, ``world_size``, ``timeout``)."""
     if dist.is_initialized():
         return
+    # Dynamo keeps references to a default group that exists when it is first imported (torch 2.13; every
+    # torch optimizer imports it), and that group could then never be freed: Note [leaving the process group].
+    import torch._dynamo  # noqa: F401
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if "RANK" not in os.environ and not (kwargs.keys() - {"timeout"}):
@@ -125,11 +129,30 @@ def _ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kwargs)
-        return
-    store = _attempt_store(kwargs.get("timeout")) if not (kwargs.keys() - {"timeout"}) else None
-    if store is not None:
-        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group(backend, **kwargs)
+    else:
+        store = _attempt_store(kwargs.get("timeout")) if not (kwargs.keys() - {"timeout"}) else None
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(backend, **kwargs)
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    """At interpreter exit, destroy the process group zeropp created (a script need not do it).
+
+    Note [leaving the process group]: gloo's worker threads drop a finished collective's tensors a moment
+    after its ``wait`` returns; when the last reference to a tensor is theirs, they take the GIL to free its
+    Python object. A script that ends right after its last collective can reach that while the interpreter
+    is finalizing, and the worker then aborts the process ("terminate called without an active exception",
+    a lost rank under torchrun; seen about once in 15 launches of examples/deepspeed_train.py on 2 busy
+    cores). A group joins its workers only when it is freed (``shutdown`` leaves gloo's running), so
+    ``Group`` holds its handle weakly, Dynamo is imported before the default group exists (imported after,
+    it holds references to that group for good), and this hook destroys the groups while the interpreter is
+    whole; the handle's release gives up the GIL, so a worker that wants it can finish. Peers are not waited for: the
+    teardown is local, and a barrier here would hang behind a rank that failed.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _attempt_store(timeout: Optional[datetime.timedelta]) -> Optional[dist.Store]:

@@ -21,7 +21,8 @@ does exactly that, once. The resulting ``Topology`` is passed explicitly; there 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -32,15 +33,39 @@ class TopologyError(ValueError):
     """A rank layout that cannot work (e.g. ranks_per_node does not divide the world size)."""
 
 
-@dataclass(frozen=True)
 class Group:
     """One process group as seen from this rank: its member ranks (global ids, in group order) and handle.
 
-    ``handle`` is ``None`` for the trivial single-rank group and in pure rank-arithmetic use (tests).
+    ``handle`` is ``None`` for the trivial single-rank group and in pure rank-arithmetic use (tests). Two
+    groups are equal when their ranks are; the handle is not part of identity.
+
+    The handle is held weakly: ``torch.distributed`` owns its process groups, and ``destroy_process_group``
+    must be able to free them (gloo joins its worker threads only when a group is freed, Note [leaving the
+    process group] in ``api.py``). A group read after that raises instead of falling back to the default one.
     """
 
-    ranks: tuple[int, ...]
-    handle: Any = field(default=None, compare=False, repr=False)
+    __slots__ = ("ranks", "_ref")
+
+    def __init__(self, ranks: tuple[int, ...], handle: Any = None) -> None:
+        self.ranks = tuple(ranks)
+        self._ref: Optional[Callable[[], Any]]
+        if handle is None:
+            self._ref = None
+        else:
+            try:
+                self._ref = weakref.ref(handle)
+            except TypeError:  # a stand-in handle (rank-arithmetic tests) that takes no weak reference
+                self._ref = lambda: handle
+
+    @property
+    def handle(self) -> Any:
+        if self._ref is None:
+            return None
+        handle = self._ref()
+        if handle is None:
+            raise RuntimeError(f"the process group of ranks {list(self.ranks)} was destroyed "
+                               "(torch.distributed.destroy_process_group): no collective can run on it")
+        return handle
 
     @property
     def size(self) -> int:
@@ -48,6 +73,15 @@ class Group:
 
     def index_of(self, rank: int) -> int:
         return self.ranks.index(rank)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Group) and other.ranks == self.ranks
+
+    def __hash__(self) -> int:
+        return hash(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"Group(ranks={self.ranks})"
 
 
 @dataclass(frozen=True)

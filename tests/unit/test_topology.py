@@ -213,3 +213,16 @@ def test_build_without_process_group_raises() -> None:
         pytest.skip("a process group exists in this process")
     with pytest.raises(RuntimeError, match="not initialized"):
         topology.build(ranks_per_node=1)
+
+
+def test_group_holds_its_handle_weakly() -> None:
+    class Handle:  # stands in for a ProcessGroup, which takes weak references
+        pass
+
+    handle = Handle()
+    g = Group((0, 1), handle)
+    assert g.handle is handle
+    del handle  # torch.distributed.destroy_process_group drops torch's references like this
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] was destroyed"):
+        g.handle  # never None, which torch.distributed would read as the default group
+    assert Group((0,)).handle is None  # a trivial group has no handle at all
