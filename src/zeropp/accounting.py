@@ -2,13 +2,13 @@
 
 All volumes are the bytes ONE rank receives in one optimizer step without gradient accumulation, split
 into intra-node and inter-node. Sources: ZeRO (Rajbhandari et al., SC'20, arXiv 1910.02054) section 7:
-stage 3 moves the parameters once in an all-gather for forward, once for backward, and the gradients once
-in a reduce-scatter, each rank receiving (P-1)/P of the model per collective (on several nodes of several
-ranks the all-gathers run in two hops, so that only (n-1)/n of the model reaches a rank from other nodes). ZeRO++ (Wang et al., ICLR'24,
-arXiv 2306.10209) section 3: qwZ halves the forward gather with int8 (plus one fp32 scale per block),
-hpZ's backward gather stays inside the group of s ranks, and qgZ's two-hop int4 all-to-all receives
-(D-1)/D x M/2 bytes inside the node and (n-1)/n x M/(2D) across nodes. Padding and scales are counted
-exactly, following Note [shard layout] in ``partition/spec.py`` and the quantizer's block layout.
+stage 3 moves the parameters once in an all-gather for forward, once for backward, and the gradients once in a
+reduce-scatter, each rank receiving (P-1)/P of the model per collective (on several nodes of several ranks the
+all-gathers run in two hops, so that only (n-1)/n of the model reaches a rank from other nodes). ZeRO++ (Wang et
+al., ICLR'24, arXiv 2306.10209) section 3: qwZ halves the forward gather with int8 (plus one fp32 scale per block),
+hpZ's backward gather stays inside the group of s ranks, and qgZ's two-hop int4 all-to-all receives (D-1)/D x M/2
+bytes inside the node and (n-1)/n x M/(2D) across nodes. Padding and scales are counted exactly, following
+Note [shard layout] in ``partition/spec.py`` and the quantizer's block layout.
 """
 from __future__ import annotations
 

@@ -7,10 +7,11 @@ collective's pattern (gloo's, as the ledger counts them; NCCL's rings behave ali
 * ring (``all_gather``, ``all_reduce``; groups are node-contiguous): every ring edge carries what one rank
   receives, and one edge leaves each node, so a node's link carries the per-rank total (intra + inter).
 * all-to-all, and the first hop of a two-hop world gather (``all_gather_inter``: one rank per node, a group per
-  local index): every rank sends its own rows to every member, so a node's link carries (members on the node)
-  x (what one rank receives from other nodes); calibrated by probes of both over the inter-node group (a
-  profile without the gather's uses the all-to-all's: between two nodes the two are the same exchange). The plain reduce-scatter is one all-to-all over the world
-  (``comm/reduce.py``): with D ranks per node it puts D x (W - D) / (W - 1) times a ring's bytes on the link.
+  local index): every rank sends its own rows to every member, so a node's link carries (members on the node) x
+  (what one rank receives from other nodes); calibrated by probes of both over the inter-node group (a profile
+  without the gather's uses the all-to-all's: between two nodes the two are the same exchange). The plain
+  reduce-scatter is one all-to-all over the world (``comm/reduce.py``): with D ranks per node it puts D x (W - D) /
+  (W - 1) times a ring's bytes on the link.
 
 Time of one collective: ``max(host, alpha + inter wire / (rate x efficiency), intra wire / intra rate)``, where
 ``host`` is its alpha-beta time on the unshaped link (CPU ranks: copying through the kernel is the cost) and
