@@ -1,5 +1,6 @@
-"""Real ``transformers`` model families built from small configs (nothing is downloaded): four different
-structures, none written for the engine. Dropout is off so that every rank computes what one process does."""
+"""Real ``transformers`` model families built from small configs (nothing is downloaded): five different
+structures (one a mixture of experts), none written for the engine. Dropout is off so that every rank
+computes what one process does."""
 from __future__ import annotations
 
 from typing import Callable
@@ -39,7 +40,16 @@ def bert() -> nn.Module:
     return BertForMaskedLM(cfg)  # encoder-only, decoder tied to the word embedding
 
 
-FAMILIES: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama, "t5": t5, "bert": bert}
+def mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=32, output_router_logits=True, router_aux_loss_coef=0.01)
+    return MixtralForCausalLM(cfg)  # top-2 routing: each rank's tokens pick other experts; router aux loss
+
+
+FAMILIES: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama, "t5": t5, "bert": bert,
+                                                "mixtral": mixtral}
 
 
 def hf_batch(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
