@@ -21,6 +21,14 @@ memory. While the engine runs the model's forward and backward, :class:`ParamUse
 * Backward: a trainable unit is released once all its gradients are in (by the engine), a frozen one once
   the gradient of its module's inputs is computed (its backward is over).
 
+Note [direct calls]: the model, or any module of it, may also be called without the engine (``generate()``
+runs a sequence-to-sequence model's encoder on its own, research code calls ``model.lm_head(h)``, an
+evaluation loop calls a tower of the model). The first module entered outside the engine's passes opens
+the same watch until its forward ends. A call on the model itself is a forward like the engine's and
+learns spans as one; a call on a part of it holds every unit it reads outside their own forwards until
+that part's forward ends and learns nothing, since the part's own view (its encoder alone, say) would
+teach the engine's full forwards a span that keeps a unit gathered for longer than they need it.
+
 ``register_external_parameter(module, param)`` declares a read in advance (DeepSpeed's API): the unit is
 gathered for ``module``'s forward, even on the first step and on paths no earlier step took.
 """
@@ -133,7 +141,8 @@ class ParamUse:
         self._released_in: dict[Unit, set[int]] = {}  # the forward calls running when it was last released
         self._reported: set[tuple[str, str]] = set()
         self._active = False  # inside watching()
-        self._direct: Optional[contextlib.ExitStack] = None  # watching a forward called on the model itself
+        self._direct: Optional[contextlib.ExitStack] = None  # watching a forward not called through the engine
+        self._entry = ""  # the module that forward was called on (Note [direct calls])
         for name, mod in root.named_modules():
             self._names[id(mod)] = name
             mod.register_forward_pre_hook(self._enter, prepend=True)
@@ -173,9 +182,10 @@ class ParamUse:
         name = self._names.get(id(module))
         if name is None:
             return
-        if name == "" and not self._active:  # the model called directly, not through the engine: watch it too
+        if not self._active:  # the model or a part of it called directly, not through the engine: watch it too
             self._direct = contextlib.ExitStack()
             self._direct.enter_context(self.watching())
+            self._entry = name
         self._calls += 1
         self._stack.append((name, self._calls))
         self._running[name] += 1
@@ -195,7 +205,7 @@ class ParamUse:
         if not self._running[name]:
             for unit in self._held.pop(name, ()):
                 self._release(unit)
-        if name == "" and self._direct is not None:
+        if self._direct is not None and not self._stack:  # the directly called module's forward is over
             direct, self._direct = self._direct, None
             direct.close()
 
@@ -217,7 +227,12 @@ class ParamUse:
     def learn(self, unit: Unit, reader: str) -> None:
         """``unit`` was gathered (again) outside its own forward: keep it gathered until the forward of the
         innermost module that was running both when it was released and now ends, in every later forward
-        too. Never released before in this forward: the innermost running module that contains it."""
+        too. Never released before in this forward: the innermost running module that contains it. In a
+        forward called on a part of the model: kept until that forward ends, nothing learned (Note [direct
+        calls])."""
+        if self._direct is not None and self._entry:
+            self._held.setdefault(self._entry, set()).add(unit)
+            return
         owner = unit.module_name
         before = self._released_in.get(unit)
         if before is not None:
