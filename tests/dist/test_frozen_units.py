@@ -141,3 +141,27 @@ def test_a_parameter_unfrozen_after_initialize_is_refused_by_name() -> None:
         hf_loss(engine, x, y)
     with torch.no_grad():  # evaluation does not ask
         assert torch.isfinite(hf_loss(engine, x, y))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_requires_grad_changed_after_initialize_is_refused_at_every_stage(stage: int, change: str) -> None:
+    # Before the check at step(), stages 0-2 dropped an unfrozen weight's gradient, and every stage went on
+    # moving a weight frozen after initialize (its Adam moments and weight decay, with zero gradients).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model[0].requires_grad_(change == "freeze")
+    engine = zeropp.initialize(model=model, config={
+        "train_batch_size": 2, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})[0]
+    x = torch.randn(2, 8)
+    for _ in range(2):  # moments for the weight that is frozen next
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    model[0].requires_grad_(change == "unfreeze")
+    before = engine.consolidated_state_dict()["0.weight"].clone()
+    what = "were frozen .* require grad now" if change == "unfreeze" else "required grad .* frozen now"
+    with pytest.raises(RuntimeError, match=rf"\['0\.weight', '0\.bias'\] {what}"):
+        engine.backward(engine(x).pow(2).mean())  # stage 3 refuses an unfrozen unit already in its forward
+        engine.step()
+    assert torch.equal(engine.consolidated_state_dict()["0.weight"], before)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ class ParamSlot:
     param: nn.Parameter
     spec: ShardSpec
     full: torch.Tensor  # padded 1-D buffer in compute dtype; storage freed while sharded
+    trainable: bool  # requires_grad at initialize: what the engine keeps gradient rows and optimizer state for
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
@@ -104,7 +105,7 @@ class Unit:
                 self.master[off : off + c].copy_(take_chunk(p.detach(), spec, rank, world))
             full = torch.zeros(spec.padded, dtype=compute_dtype, device=self.device)
             p.data = full[: spec.numel].view(spec.shape)
-            self.slots.append(ParamSlot(name, p, spec, full))
+            self.slots.append(ParamSlot(name, p, spec, full, p.requires_grad))
         self._shard: Optional[torch.Tensor] = None
         # the host row the optimizer writes when the shard is device memory apart from the masters
         self._staged: Optional[torch.Tensor] = None
@@ -273,12 +274,7 @@ class FrozenUnit(Unit):
 
     def needs_grad(self) -> int:
         """0; a parameter made trainable since ``initialize`` is refused (its gradient would be dropped)."""
-        names = [s.name for s in self.slots if s.param.requires_grad]
-        if names:
-            raise RuntimeError(f"parameters {names} were frozen (requires_grad=False) at zeropp.initialize and "
-                               "require grad now; the engine keeps no gradient row and no optimizer state for "
-                               "them (as DeepSpeed, it trains what required grad at initialize): set "
-                               "requires_grad before initialize")
+        check_requires_grad([self])
         return 0
 
     def grad_row(self) -> torch.Tensor:
@@ -287,3 +283,27 @@ class FrozenUnit(Unit):
 
     def grad_views(self) -> list[torch.Tensor]:
         return self._split(self.grad_row())
+
+
+def check_requires_grad(units: Iterable[Unit]) -> None:
+    """Refuse, by name, parameters whose ``requires_grad`` changed since ``initialize``.
+
+    The engine sized gradient rows and optimizer state by what required grad then. A parameter unfrozen
+    since would get no update (its gradient dropped); one frozen since would still be updated, from its
+    optimizer state (momentum, weight decay) with zero gradients, so "frozen" weights would keep moving.
+    Both would be silent, so both raise.
+    """
+    unfrozen, frozen = [], []
+    for unit in units:
+        for s in unit.slots:
+            if s.param.requires_grad != s.trainable:
+                (unfrozen if s.param.requires_grad else frozen).append(s.name)
+    if unfrozen:
+        raise RuntimeError(f"parameters {unfrozen} were frozen (requires_grad=False) at zeropp.initialize and "
+                           "require grad now; the engine keeps no gradient row and no optimizer state for them "
+                           "(as DeepSpeed, it trains what required grad at initialize): set requires_grad "
+                           "before initialize")
+    if frozen:
+        raise RuntimeError(f"parameters {frozen} required grad at zeropp.initialize and are frozen now; the "
+                           "engine would go on updating them from their optimizer state (momentum, weight "
+                           "decay), so they would not stay frozen: set requires_grad before initialize")

@@ -37,7 +37,7 @@ from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition.assign import plan_units
 from zeropp.partition.meta import MetaMaterializer
-from zeropp.partition.unit import FrozenUnit, Unit, UnitState
+from zeropp.partition.unit import FrozenUnit, Unit, UnitState, check_requires_grad
 from zeropp.topology import Topology
 from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
@@ -496,6 +496,7 @@ class ZeroEngine(DeepSpeedSurface):
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, step the optimizer on the master shards."""
+        check_requires_grad(self.units)  # frozen or unfrozen since initialize: refused, never ignored
         if self._backward_open:
             with self.timer.span("backward"):
                 self._finish_backward()
