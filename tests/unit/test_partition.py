@@ -373,3 +373,11 @@ def test_block_granularity_lifts_each_layer_into_one_unit() -> None:
                           "norm"]
     with pytest.raises(ValueError, match="granularity"):
         plan_units(model, "layer")
+
+
+def test_an_uninitialized_lazy_parameter_is_refused_by_name() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"'1\.weight' is not initialized yet .* before zeropp.initialize"):
+        plan_units(model)
+    model(torch.randn(1, 4))  # materialized by one forward: accepted
+    assert [p.shape for u in plan_units(model) for _, p in u.params] == [(4, 4), (4,), (2, 4), (2,)]

@@ -68,6 +68,10 @@ def plan_units(model: nn.Module, granularity: str = "module") -> list[UnitPlan]:
             by_id[id(p)] = p
     for name, p in model.named_parameters():  # first (canonical) name, as state_dict lists it first
         first_name.setdefault(id(p), name)
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise ValueError(f"parameter {name!r} is not initialized yet (a lazy module's, such as nn.LazyLinear): "
+                             "its shape is unknown until the module's first forward, and partitioning needs it; "
+                             "run the model once on a sample batch before zeropp.initialize")
     owned: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for pid, mnames in holders.items():
         owner = _common_ancestor(mnames) if len(set(mnames)) > 1 else mnames[0]
