@@ -16,6 +16,7 @@ import zeropp
 from support.odd_models import ChildWeight, odd_batch
 from support.world import run_world
 from zeropp.zero import GatheredParameters, register_external_parameter
+from zeropp.zero.param_use import ParameterAccessError
 
 GB, STEPS = 8, 4
 NODES = {"topology": {"ranks_per_node": 2}}
@@ -125,8 +126,31 @@ def direct_call_case(rank: int, world: int) -> dict:
             "all_sharded": all(u.state.value == "sharded" for u in engine.units)}
 
 
+def state_dict_case(rank: int, world: int) -> dict:
+    """Note [partitioned state dicts]: model.state_dict() / load_state_dict() between steps."""
+    model, engine = _engine(_config())
+    _steps(engine, rank, world, range(1))
+    out = {}
+    for what, call in (("read", model.state_dict), ("read_part", model.l1.state_dict),
+                       ("write", lambda: model.load_state_dict(ChildWeight().state_dict()))):
+        try:
+            call()
+            out[what] = "no error"
+        except ParameterAccessError as err:
+            out[what] = str(err)
+    out["keep_vars"] = sorted(model.state_dict(keep_vars=True))
+    with GatheredParameters(list(model.parameters())):
+        gathered = {k: v.clone() for k, v in model.state_dict().items()}
+    out["gathered_equal"] = gathered.keys() == engine.consolidated_state_dict().keys() and all(
+        torch.equal(v, engine.consolidated_state_dict()[k]) for k, v in gathered.items())
+    out["losses_after"] = _steps(engine, rank, world, range(1, 3))
+    _, plain = _engine(_config())
+    out["losses_plain"] = _steps(plain, rank, world, range(3))[1:]
+    return out
+
+
 def scenarios(rank: int, world: int, root: str) -> dict:
-    return {"direct": direct_call_case(rank, world), "ckpt": checkpoint_case(rank, world, os.path.join(root, "ckpt")),
+    return {"state_dict": state_dict_case(rank, world), "direct": direct_call_case(rank, world), "ckpt": checkpoint_case(rank, world, os.path.join(root, "ckpt")),
             "offload": offload_case(rank, world, os.path.join(root, "nvme")),
             "gathered": gathered_case(rank, world), "external": external_case(rank, world)}
 
@@ -143,6 +167,18 @@ def test_calling_the_model_directly_serves_the_parent_read_too():
         assert d["direct"] == d["engine"] == d["trained"]
         assert d["all_sharded"]
         assert d["spans"] == ["emb"]  # only the parent's read of the embedding
+
+
+def test_state_dict_between_steps_is_refused_by_name_and_works_when_gathered():
+    names = sorted(n for n, _ in ChildWeight().named_parameters())
+    for res in results():
+        sd = res["state_dict"]
+        assert "state_dict() of a stage-3 model read" in sd["read"] and "consolidated_state_dict" in sd["read"]
+        assert "['l1.weight', 'l1.bias']" in sd["read_part"]
+        assert "load_state_dict() into a stage-3 model" in sd["write"] and "GatheredParameters" in sd["write"]
+        assert sd["keep_vars"] == names  # the parameters themselves (names and shapes) are served
+        assert sd["gathered_equal"]
+        assert sd["losses_after"] == sd["losses_plain"]  # the refused calls changed nothing
 
 
 def test_checkpoint_resume_is_bit_exact():

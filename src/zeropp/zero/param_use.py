@@ -29,6 +29,14 @@ learns spans as one; a call on a part of it holds every unit it reads outside th
 that part's forward ends and learns nothing, since the part's own view (its encoder alone, say) would
 teach the engine's full forwards a span that keeps a unit gathered for longer than they need it.
 
+Note [partitioned state dicts]: outside the passes a released parameter keeps its shape but has no storage.
+``model.state_dict()`` would hand out tensors that ``torch.save`` writes as zero bytes (a file that fails
+only when loaded), reading their values crashes the process, and ``load_state_dict`` would write into
+nothing. State-dict hooks on every module that holds parameters turn the first two of these into a
+:class:`ParameterAccessError` that names the parameters and the calls that do work; ``keep_vars=True``
+(the parameters themselves, for their names and shapes) is allowed. A plain read such as ``w.sum()``
+outside the passes is not seen (that would need a torch-function mode left on for good).
+
 ``register_external_parameter(module, param)`` declares a read in advance (DeepSpeed's API): the unit is
 gathered for ``module``'s forward, even on the first step and on paths no earlier step took.
 """
@@ -147,6 +155,10 @@ class ParamUse:
             self._names[id(mod)] = name
             mod.register_forward_pre_hook(self._enter, prepend=True)
             mod.register_forward_hook(self._exit, always_call=True)
+            if any(True for _ in mod.parameters(recurse=False)):
+                # a function, not the bound method: torch marks the hook with an attribute
+                mod.register_state_dict_post_hook(lambda *a: self._state_dict_read(*a))
+                mod.register_load_state_dict_pre_hook(self._state_dict_write)
 
     # ---- the model's forward and backward run inside this -----------------------------------------------
     @contextlib.contextmanager
@@ -176,6 +188,35 @@ class ParamUse:
                 self._gather(saved.unit)
             return saved.tensor
         return saved
+
+    # ---- state dicts (Note [partitioned state dicts]) -------------------------------------------------------
+    def _released(self, module: nn.Module, prefix: str, keys: Any) -> dict[str, str]:
+        """The keys of ``module``'s released parameters among ``keys``, with their names in the model."""
+        out = {}
+        for pname, p in module.named_parameters(recurse=False):
+            hit = self._slot.get(id(p))
+            if hit is not None and hit[0].state is UnitState.SHARDED and prefix + pname in keys:
+                out[prefix + pname] = hit[1].name
+        return out
+
+    def _state_dict_read(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        names = [name for key, name in self._released(module, prefix, state_dict).items()
+                 if not isinstance(state_dict[key], nn.Parameter)]  # keep_vars=True hands out the parameters
+        if names:
+            raise ParameterAccessError(
+                f"state_dict() of a stage-3 model read {names} while they are partitioned (released between "
+                "forwards: no values on this rank), and would have saved empty tensors. Use "
+                "engine.consolidated_state_dict() (on every rank) or engine.save_16bit_model(dir) for the full "
+                "weights, engine.save_checkpoint(dir) to resume, or zeropp.zero.GatheredParameters(params)")
+
+    def _state_dict_write(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        names = list(self._released(module, prefix, state_dict).values())
+        if names:
+            raise ParameterAccessError(
+                f"load_state_dict() into a stage-3 model would write {names} while they are partitioned "
+                "(released between forwards), and the values would be lost. Load weights before "
+                "zeropp.initialize, resume with engine.load_checkpoint(dir), or change them inside "
+                "zeropp.zero.GatheredParameters(params, modifier_rank=0)")
 
     # ---- module stack ------------------------------------------------------------------------------------
     def _enter(self, module: nn.Module, args: Any) -> None:
