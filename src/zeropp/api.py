@@ -268,7 +268,9 @@ def initialize(
     def make_optimizer(masters: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
         if isinstance(optimizer, torch.optim.Optimizer):
             return _retarget(optimizer, {id(named[name]): t for name, t in masters})
-        tensors = [t for _, t in masters]
+        # A model with nothing to train (RLHF's frozen reference or reward model, a distillation teacher): one
+        # empty group, so that torch accepts it and step() and checkpoints run and change nothing.
+        tensors: list = [t for _, t in masters] or [{"params": []}]
         if callable(optimizer):
             return optimizer(tensors)
         # A delayed update runs beside the next forward/backward: leave it half the cores.
