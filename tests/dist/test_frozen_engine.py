@@ -3,10 +3,12 @@ a distillation teacher. ``zeropp.initialize`` accepts it (an optimizer with one 
 refused "an empty parameter list"), its step changes nothing, and a student distilled from it on 2 nodes x
 2 ranks trains to the single-process losses, with the teacher in stage 3, kept as int8
 (``zero_quantized_nontrainable_weights``, ZeRO++'s feature for exactly this) or in stage 2 with the
-optimizer offloaded."""
+optimizer offloaded; the teacher's checkpoint restores it into a model built from another seed."""
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 
 import pytest
 import torch
@@ -45,7 +47,7 @@ def _loss(student, teacher, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  
     return out.loss + 0.1 * kl
 
 
-def case(rank: int, world: int, teacher_zero: dict) -> dict:
+def case(rank: int, world: int, teacher_zero: dict, root: str) -> dict:
     student, teacher = _models()
     base = {"train_batch_size": GB, "topology": {"ranks_per_node": 2}}
     es = zeropp.initialize(model=student, config={
@@ -64,17 +66,26 @@ def case(rank: int, world: int, teacher_zero: dict) -> dict:
     before = et.consolidated_state_dict()
     et.step()  # nothing to step: changes nothing
     after = et.consolidated_state_dict()
+    et.save_checkpoint(root, tag="teacher")
+    torch.manual_seed(5)
+    other = gpt2()
+    other.requires_grad_(False)
+    fresh = zeropp.initialize(model=other, config={**base, "zero_optimization": teacher_zero})[0]
+    fresh.load_checkpoint(root, tag="teacher")
+    loaded = fresh.consolidated_state_dict()
     return {"losses": losses, "groups": [len(g["params"]) for g in et.optimizer.param_groups],
-            "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "restored": all(torch.equal(loaded[k], after[k]) for k in after)}
 
 
-def scenarios(rank: int, world: int) -> dict:
-    return {name: case(rank, world, zero) for name, zero in TEACHERS.items()}
+def scenarios(rank: int, world: int, root: str) -> dict:
+    return {name: case(rank, world, zero, os.path.join(root, name)) for name, zero in TEACHERS.items()}
 
 
 @functools.lru_cache(maxsize=None)
 def results() -> list:
-    return run_world(scenarios, WORLD, ranks_per_node=2)
+    with tempfile.TemporaryDirectory() as root:
+        return run_world(scenarios, WORLD, root, ranks_per_node=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +112,8 @@ def test_a_student_distilled_from_a_frozen_engine_trains_as_one_process(teacher:
 
 
 @pytest.mark.parametrize("teacher", list(TEACHERS))
-def test_the_frozen_engine_has_an_empty_optimizer_and_its_step_changes_nothing(teacher: str) -> None:
+def test_the_frozen_engine_has_an_empty_optimizer_its_step_changes_nothing_and_it_checkpoints(teacher: str) -> None:
     for res in results():
         assert res[teacher]["groups"] == [0]
         assert res[teacher]["unchanged"]
+        assert res[teacher]["restored"]  # into a model built from another seed
