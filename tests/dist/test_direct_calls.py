@@ -4,7 +4,8 @@ shared with the decoder and the output projection, so its weight belongs to the 
 no forward of the whole model gathers then. Evaluation code also calls one layer, or one sub-layer of a
 block-granularity unit, directly. On 2 nodes x 2 ranks, after a training step: the same tokens and hidden
 states as one process, nothing left gathered, no span learned from the direct calls, and training on
-through the engine still matches."""
+through the engine still matches. The first forward of all runs under ``torch.inference_mode()`` (Note
+[inference mode] in ``zero/engine.py``): the buffers it makes must serve the training steps after it."""
 from __future__ import annotations
 
 import functools
@@ -67,17 +68,19 @@ def case(rank: int, world: int, zero: dict) -> dict:
         dist.all_reduce(value)
         losses.append(value.item() / world)
 
+    with torch.inference_mode():  # the first forward ever: the buffers it makes serve the training steps
+        evaluated = _train_step(engine, 0, rank).item()
     step(0)
     spans = sorted(u.module_name for u in engine.use.spans)
     probe = _probe(model)
     left = [u.module_name for u in engine.units if u.state.value != "sharded"]
     step(1)
-    return {"probe": probe, "losses": losses, "left_gathered": left,
+    return {"probe": probe, "losses": losses, "left_gathered": left, "evaluated": evaluated,
             "spans_before": spans, "spans_after": sorted(u.module_name for u in engine.use.spans)}
 
 
 def scenarios(rank: int, world: int) -> dict:
-    return {name: case(rank, world, zero) for name, zero in VARIANTS.items()}
+    return {"rank": rank, **{name: case(rank, world, zero) for name, zero in VARIANTS.items()}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +93,8 @@ def reference() -> dict:
     torch.manual_seed(0)
     model = t5()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    with torch.no_grad():
+        evaluated = [_train_step(model, 0, r).item() for r in range(WORLD)]
     losses = []
     for k in range(2):
         loss = _train_step(model, k)
@@ -99,7 +104,7 @@ def reference() -> dict:
         losses.append(loss.item())
         if k == 0:
             probe = _probe(model)
-    return {"probe": probe, "losses": losses}
+    return {"probe": probe, "losses": losses, "evaluated": evaluated}
 
 
 @pytest.mark.parametrize("variant", ["zero3", "zero3_module", "hpz"])
@@ -112,6 +117,8 @@ def test_direct_calls_give_what_one_process_gives(variant: str) -> None:
             torch.testing.assert_close(got["probe"][key], want["probe"][key], rtol=1e-5, atol=1e-5)
         for g, w in zip(got["losses"], want["losses"]):
             assert abs(g - w) / w <= 1e-5, (variant, got["losses"], want["losses"])
+        # the untrained model's loss on this rank's slice, under inference mode
+        assert abs(got["evaluated"] - want["evaluated"][res["rank"]]) <= 1e-5 * want["evaluated"][res["rank"]]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -47,6 +47,12 @@ from zeropp.zero.memory import ActivationMeter, GatheredWeights, memory_report, 
 from zeropp.zero.param_use import ParamUse
 from zeropp.zero.timing import StepTimer, format_time_report
 
+# Note [inference mode]: an evaluation under torch.inference_mode() may be the first forward to need a gather
+# buffer, an hpZ slice or a prefetch, and a tensor made there is an inference tensor, which the collectives of
+# every later training step could not write into ("Inplace update to inference tensor outside
+# InferenceMode"). Gathers and releases therefore make their tensors with inference mode off.
+_OUTSIDE_INFERENCE_MODE = torch.inference_mode(False)
+
 log = logging.getLogger("zeropp")
 
 
@@ -367,6 +373,7 @@ class ZeroEngine(DeepSpeedSurface):
     def _strategy(self, which: Pass) -> GatherStrategy:
         return self.strategies.forward_gather if which is Pass.FORWARD else self.strategies.backward_gather
 
+    @_OUTSIDE_INFERENCE_MODE
     def _gather(self, unit: Unit, which: Pass) -> None:
         if unit.state is UnitState.GATHERED:
             return
@@ -409,12 +416,14 @@ class ZeroEngine(DeepSpeedSurface):
         if ahead is not None:  # after the next first hop was issued, so the link stays busy while this waits
             ahead.advance()
 
+    @_OUTSIDE_INFERENCE_MODE
     def _release(self, unit: Unit, which: Pass) -> None:
         if unit.state is UnitState.GATHERED:
             self._strategy(which).on_release(unit)
             self.gathered_weights.released(unit)
             unit.release()
 
+    @_OUTSIDE_INFERENCE_MODE
     def _drain_prefetches(self, which: Pass) -> None:
         """Complete and drop prefetches that were not used (the model took another path this time)."""
         for unit, pending in list(self._inflight.items()):
