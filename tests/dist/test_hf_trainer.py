@@ -128,6 +128,15 @@ def test_evaluate_runs_through_the_engine_and_before_it(world: list[dict]) -> No
     assert r["eval_loss_before_train"] == pytest.approx(_plain_loss(tiny_gpt2(seed=1)), rel=1e-6)
 
 
+def test_evaluation_during_training_leaves_the_training_steps_as_they_were(world: list[dict]) -> None:
+    for r in world:
+        assert r["with_eval_losses"] == r["losses"]  # bit for bit: evaluating changed no weight, state or rng
+        evals = r["with_eval_evals"]
+        assert [step for step, _ in evals] == [2, 4, 6]
+        assert evals == world[0]["with_eval_evals"]  # every rank reports the same (global) eval loss
+        assert evals[-1][1] < evals[0][1]  # the model it evaluated was the one training
+
+
 def test_a_trainer_checkpoint_resumes_the_run_exactly(world: list[dict]) -> None:
     r = world[0]
     ckpt = Path(r["checkpoint"])

@@ -3,7 +3,8 @@ world, a tiny GPT-2 built from a config (nothing downloaded) on the shipped Shak
 all of ZeRO++ in bf16.
 
 ``run`` trains STEPS optimizer steps (a checkpoint at SAVE_AT), evaluates, saves the model, resumes a second
-trainer (evaluated before it trains) from the checkpoint to STEPS again, runs an fp32 parity case against the
+trainer (evaluated before it trains) from the checkpoint to STEPS again, trains the first run again with
+evaluation every 2 steps, runs an fp32 parity case against the
 plain Trainer (``reference_parity``, run by the test in its own process) and collects the early errors; it
 returns what the tests compare.
 """
@@ -101,6 +102,14 @@ def run(rank: int, world: int, root: str) -> dict:
     result["eval_loss_before_train"] = resumed.evaluate(eval_rows)["eval_loss"]  # no engine yet: the plain model
     resumed.train(resume_from_checkpoint=result["checkpoint"])
     result["resumed_losses"] = _losses(resumed)
+    # evaluation during training (eval_strategy) through the engine: the training steps must not see it
+    evaluating = ZeroppTrainer(model=tiny_gpt2(seed=0), args=training_args(
+        os.path.join(root, "out3"), save_strategy="no", eval_strategy="steps", eval_steps=2),
+        train_dataset=data, eval_dataset=eval_rows, zeropp_config=copy.deepcopy(CONFIG))
+    evaluating.train()
+    result["with_eval_losses"] = _losses(evaluating)
+    result["with_eval_evals"] = [(h["step"], h["eval_loss"]) for h in evaluating.state.log_history
+                                 if "eval_loss" in h]
     result["parity"] = _history(parity_trainer(os.path.join(root, "parity"), data, zeropp=True))
     result["parity_batch_mean"] = _history(parity_trainer(os.path.join(root, "parity2"), data, zeropp=True,
                                                           batch_mean_loss=True))
