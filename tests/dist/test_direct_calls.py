@@ -29,7 +29,7 @@ VARIANTS = {
 }
 
 
-def _train_step(model, step: int, rank: int | None = None) -> float:  # noqa: ANN001
+def _train_step(model, step: int, rank: int | None = None) -> torch.Tensor:  # noqa: ANN001
     """One step's loss: through the engine on ``rank``'s slice, or (``rank`` None) the mean of the slices."""
     x, y = hf_batch(step, GB)
     m = GB // WORLD
