@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
-from support.hf_models import hf_batch, hf_loss, t5
+from support.hf_models import hf_batch, hf_loss, rank_mean, t5
 from support.world import run_world
 
 GB, LR, WORLD = 8, 3e-3, 4
@@ -31,10 +31,7 @@ VARIANTS = {
 
 def _train_step(model, step: int, rank: int | None = None) -> torch.Tensor:  # noqa: ANN001
     """One step's loss: through the engine on ``rank``'s slice, or (``rank`` None) the mean of the slices."""
-    x, y = hf_batch(step, GB)
-    m = GB // WORLD
-    ranks = range(WORLD) if rank is None else [rank]
-    return sum(hf_loss(model, x[r * m:(r + 1) * m], y[r * m:(r + 1) * m]) for r in ranks) / len(ranks)
+    return rank_mean(functools.partial(hf_loss, model), *hf_batch(step, GB), WORLD, None if rank is None else [rank])
 
 
 def _probe(model) -> dict:  # noqa: ANN001

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zeropp
-from support.hf_models import gpt2, hf_batch
+from support.hf_models import gpt2, hf_batch, rank_mean
 from support.world import run_world
 
 GB, LR, WORLD, STEPS = 8, 3e-3, 4, 3
@@ -92,10 +92,9 @@ def results() -> list:
 def reference() -> list[float]:
     student, teacher = _models()
     opt = torch.optim.AdamW(student.parameters(), lr=LR, weight_decay=0.0)
-    losses, m = [], GB // WORLD
+    losses = []
     for step in range(STEPS):
-        x, y = hf_batch(step, GB)
-        loss = sum(_loss(student, teacher, x[r * m:(r + 1) * m], y[r * m:(r + 1) * m]) for r in range(WORLD)) / WORLD
+        loss = rank_mean(functools.partial(_loss, student, teacher), *hf_batch(step, GB), WORLD)
         loss.backward()
         opt.step()
         opt.zero_grad()

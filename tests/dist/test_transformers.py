@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
-from support.hf_models import FAMILIES, hf_batch, hf_loss
+from support.hf_models import FAMILIES, hf_batch, hf_loss, rank_mean
 from support.world import run_world
 
 STEPS, GB, LR, WORLD = 3, 8, 3e-3, 4
@@ -55,11 +55,7 @@ def reference(family: str) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
     for step in range(STEPS):
-        x, y = hf_batch(step, GB)
-        # data parallelism's loss: the mean of the ranks' losses. It is the full batch's token mean where every
-        # rank holds as many tokens, but not for Mixtral's router loss, which each rank takes over its tokens.
-        m = GB // WORLD
-        loss = sum(hf_loss(model, x[r * m:(r + 1) * m], y[r * m:(r + 1) * m]) for r in range(WORLD)) / WORLD
+        loss = rank_mean(functools.partial(hf_loss, model), *hf_batch(step, GB), WORLD)  # as the ranks take it
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -3,7 +3,7 @@ structures (one a mixture of experts), none written for the engine. Dropout is o
 computes what one process does."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -61,3 +61,13 @@ def hf_batch(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 def hf_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The model's own loss (token mean; every rank holds as many tokens, so the rank mean is the global one)."""
     return model(input_ids=x, labels=y).loss
+
+
+def rank_mean(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+              world: int, ranks: Optional[Iterable[int]] = None) -> torch.Tensor:
+    """Data parallelism's loss in one process: the mean of ``loss`` over the ranks' slices of the batch
+    (``ranks``: only those slices). It is the full batch's token mean where every rank holds as many tokens,
+    but not for a loss each rank takes over its own tokens, such as Mixtral's router loss."""
+    m = x.shape[0] // world
+    ranks = list(range(world) if ranks is None else ranks)
+    return sum(loss(x[r * m:(r + 1) * m], y[r * m:(r + 1) * m]) for r in ranks) / len(ranks)
