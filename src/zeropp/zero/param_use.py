@@ -150,7 +150,6 @@ class ParamUse:
         self._reported: set[tuple[str, str]] = set()
         self._active = False  # inside watching()
         self._direct: Optional[contextlib.ExitStack] = None  # watching a forward not called through the engine
-        self._entry = ""  # the module that forward was called on (Note [direct calls])
         for name, mod in root.named_modules():
             self._names[id(mod)] = name
             mod.register_forward_pre_hook(self._enter, prepend=True)
@@ -226,7 +225,6 @@ class ParamUse:
         if not self._active:  # the model or a part of it called directly, not through the engine: watch it too
             self._direct = contextlib.ExitStack()
             self._direct.enter_context(self.watching())
-            self._entry = name
         self._calls += 1
         self._stack.append((name, self._calls))
         self._running[name] += 1
@@ -271,8 +269,9 @@ class ParamUse:
         too. Never released before in this forward: the innermost running module that contains it. In a
         forward called on a part of the model: kept until that forward ends, nothing learned (Note [direct
         calls])."""
-        if self._direct is not None and self._entry:
-            self._held.setdefault(self._entry, set()).add(unit)
+        part = self._stack[0][0] if self._direct is not None and self._stack else ""  # the module called
+        if part:
+            self._held.setdefault(part, set()).add(unit)
             return
         owner = unit.module_name
         before = self._released_in.get(unit)
