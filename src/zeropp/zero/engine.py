@@ -441,9 +441,9 @@ class ZeroEngine(DeepSpeedSurface):
         cast = lambda t: (  # noqa: E731 - floating inputs follow the compute dtype, as the weights do
             t.to(self.policy.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
         )
-        args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        self._order[Pass.FORWARD] = []
-        with self.timer.span("forward"):
+        with self.timer.span("forward"):  # the engine's own work is in a span: untracked is the caller's
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+            self._order[Pass.FORWARD] = []
             if self.use is None:
                 with self.activations.watching():  # Note [activation meter]
                     return self.module(*args, **kwargs)
@@ -462,13 +462,13 @@ class ZeroEngine(DeepSpeedSurface):
 
         Stages 2-3 reduce gradients into the owning shards as they appear; stages 0-1 accumulate them whole.
         """
-        gas = self.policy.gradient_accumulation_steps
-        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        self._backward_open = True
-        self._grads_missing = {}
-        self._order[Pass.BACKWARD] = []
-        watch = self.use.watching() if self.use is not None else contextlib.nullcontext()
         with self.timer.span("backward"):
+            gas = self.policy.gradient_accumulation_steps
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            self._backward_open = True
+            self._grads_missing = {}
+            self._order[Pass.BACKWARD] = []
+            watch = self.use.watching() if self.use is not None else contextlib.nullcontext()
             try:
                 with watch:
                     (loss * (scale / gas) if scale != 1.0 or gas > 1 else loss).backward()
@@ -505,16 +505,16 @@ class ZeroEngine(DeepSpeedSurface):
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, step the optimizer on the master shards."""
-        check_requires_grad(self.units)  # frozen or unfrozen since initialize: refused, never ignored
-        if self._backward_open:
-            with self.timer.span("backward"):
-                self._finish_backward()
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        if not boundary:
-            return
         scale_before = self.loss_scale
-        with self.timer.span("optimizer"):
+        with self.timer.span("optimizer"):  # all of this call's work is in a span: untracked is the caller's
+            check_requires_grad(self.units)  # frozen or unfrozen since initialize: refused, never ignored
+            if self._backward_open:
+                with self.timer.span("backward"):
+                    self._finish_backward()
+            self.micro_steps += 1
+            if not boundary:
+                return
             if not self.plan.reduces_as_ready:
                 self._reduce_whole_gradients()
             after = self.policy.delayed_update_after

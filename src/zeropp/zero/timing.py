@@ -9,8 +9,10 @@ was the innermost open span and minus its child spans, so nothing is counted twi
     step = forward_compute + backward_compute + optimizer_step + offload_io_wait
            + forward_gather_wait + backward_gather_wait + grad_reduce_wait + other_comm_wait + untracked
 
-``untracked`` is the step time outside every span (the caller's own code between ``engine(batch)`` and
-``engine.backward``: a loss function, logging). A step runs from the first span after the previous
+``untracked`` is the step time outside every span: the caller's own code between ``engine(batch)`` and
+``engine.backward`` (a loss function, logging, freeing the last micro-batch's graph when it rebinds its
+loss). Every public call of the engine does its work inside a span, input casts and ``step()``'s checks
+included, so nothing of the engine's lands there. A step runs from the first span after the previous
 ``step()`` to the end of the ``step()`` that applies the optimizer, so gradient accumulation windows count
 as one step; only a forward or backward opens a step (offload waits of a checkpoint load between steps are
 not a step's time).
@@ -76,8 +78,8 @@ class StepTimer:
             yield
         finally:
             self._stack.pop()
-            wall = time.perf_counter() - opened.start
             waits = self._total_waits() - opened.waits_at_start
+            wall = time.perf_counter() - opened.start  # after the bookkeeping: the span's own cost is tracked
             own = wall - opened.child_wall - (waits - opened.child_waits)
             key = _COMPUTE_KEY[name]
             self._parts[key] = self._parts.get(key, 0.0) + max(0.0, own)
