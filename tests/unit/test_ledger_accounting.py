@@ -221,7 +221,7 @@ def test_qgz_volume_one_node_and_one_rank_per_node() -> None:
 
 def test_grad_norm_volume_hand() -> None:
     # ring all-reduce of one float64 over 4: 2 * 8 // 4 = 4 B per peer
-    assert accounting.grad_norm_volume(L22, 0) == Volume(4, 8)
+    assert accounting.grad_norm_volume(L22, 0) == Volume(20, 40)  # 5 float64: the norm and the order digests
 
 
 def test_model_state_bytes_hand() -> None:

@@ -44,6 +44,7 @@ from zeropp.zero.buckets import GradBuckets
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, memory_report, weight_storages
+from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder, CollectiveOrderError
 from zeropp.zero.param_use import ParamUse
 from zeropp.zero.timing import StepTimer, format_time_report
 
@@ -215,6 +216,7 @@ class ZeroEngine(DeepSpeedSurface):
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._grads_missing: dict[Unit, int] = {}
+        self.order = CollectiveOrder()  # Note [collective order]
         self._backward_open = False
         self.micro_steps = 0
         self.global_steps = 0
@@ -305,6 +307,7 @@ class ZeroEngine(DeepSpeedSurface):
         if not self.residency.shard_in(unit, optional=optional):
             return None
         self._await_upload(unit)
+        self.order.note(GATHER_FORWARD if which is Pass.FORWARD else GATHER_BACKWARD, unit.index)
         return self._strategy(which).start(unit, _LEDGER_PHASE[which])
 
     def _await_upload(self, unit: Unit) -> None:
@@ -362,6 +365,7 @@ class ZeroEngine(DeepSpeedSurface):
     def _make_grad_hook(self, unit: Unit, slot_index: int) -> Callable:
         def hook(param: nn.Parameter) -> None:
             grad, param.grad = param.grad, None
+            self.order.note(REDUCE, unit.index, slot_index)  # the add order decides what each bucket holds
             self.buckets.add(unit, slot_index, grad)
             left = (self._grads_missing[unit] if unit in self._grads_missing else unit.needs_grad()) - 1
             self._grads_missing[unit] = left
@@ -497,6 +501,7 @@ class ZeroEngine(DeepSpeedSurface):
                 grad = p.grad if p.grad is not None else torch.zeros(p.shape, dtype=self.policy.compute_dtype,
                                                                      device=unit.device)
                 p.grad = None
+                self.order.note(REDUCE, unit.index, index)
                 self.buckets.add(unit, index, grad)
         self.buckets.finish()
 
@@ -558,13 +563,7 @@ class ZeroEngine(DeepSpeedSurface):
                     cache[u] = g
             return g
 
-        sq = torch.zeros(1, dtype=torch.float64, device=self.units[0].device if self.units else None)
-        for group in self.residency.grad_pass(self._stepped):  # squared norms summed in fp64, no fp64 copies
-            for u in group:
-                sq += torch.linalg.vector_norm(fp32_grad(u), dtype=torch.float64).square()
-        if self.shard_world > 1:  # stage 0 holds whole gradients, identical on every rank
-            self.comm.all_reduce(sq, self.topo.world, Phase.OTHER)
-        norm = math.sqrt(sq.item())
+        norm = self._global_norm(fp32_grad)
         self._global_grad_norm = norm
         self._skipped = not math.isfinite(norm)
         if self.loss_scaler is not None:
@@ -592,6 +591,26 @@ class ZeroEngine(DeepSpeedSurface):
                     self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
         # the optimizer held its own fp32 copies; stages 0-2 hold no rows between steps
         self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)
+
+    def _global_norm(self, fp32_grad: Callable[[Unit], torch.Tensor]) -> float:
+        """The gradients' global L2 norm; the same all-reduce checks that every rank issued the same
+        collectives this step (Note [collective order]) before any gradient is used."""
+        device = self.units[0].device if self.units else None
+        sq = torch.zeros(1, dtype=torch.float64, device=device)
+        for group in self.residency.grad_pass(self._stepped):  # squared norms summed in fp64, no fp64 copies
+            for u in group:
+                sq += torch.linalg.vector_norm(fp32_grad(u), dtype=torch.float64).square()
+        if self.shard_world == 1:  # stage 0 holds whole gradients, identical on every rank, and reduced them
+            self.order.reset()     # at the boundary in a fixed order
+            return math.sqrt(sq.item())
+        both = torch.cat([sq, torch.tensor(self.order.payload(), dtype=torch.float64, device=device)])
+        self.comm.all_reduce(both, self.topo.world, Phase.OTHER)
+        try:
+            self.order.check(both[1:].tolist(), self.topo.world_size)
+        except CollectiveOrderError:
+            self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)  # mixed: never used
+            raise
+        return math.sqrt(both[0].item())
 
     def _step_group(self, units: list[Unit]) -> set[Unit]:
         """``optimizer.step()``; returns the units whose 16-bit shard it also wrote. A host optimizer with
