@@ -189,7 +189,7 @@ def collective_points(comm: Comm, pattern: str, group: Group, reps: int = 3,
             out = torch.empty_like(inp)
             run = lambda: comm.all_to_all(out, inp, group, Phase.OTHER)  # noqa: E731
         elif pattern == "all_reduce":
-            # small: the global norm's one fp64 value (latency); large: a 16-bit row
+            # small: the global norm's few fp64 values (latency); large: a 16-bit row
             t = torch.zeros(1, dtype=torch.float64, device=device) if row_bytes == SMALL_ROW \
                 else torch.zeros(n, dtype=torch.bfloat16, device=device)
             run = lambda: comm.all_reduce(t, group, Phase.OTHER)  # noqa: E731
