@@ -12,8 +12,10 @@ those of its backward gathers, and the unit and slot of every gradient it added 
 add order decides what each bucket holds), folded into two 16-bit values. They ride on the global-norm
 all-reduce the optimizer step already makes (four more float64 values): the all-reduce sums ``d`` and
 ``d**2`` of each digest, and all ranks hold the same ``d`` exactly when ``(sum d)**2 == P * sum(d**2)``
-(Cauchy-Schwarz). Digests below 2**16 keep every sum exact in float64 up to 2**21 ranks. A mismatch is raised before the optimizer reads a gradient, so the weights and optimizer states
-stay as the last good step left them. A mismatch that goes unseen needs both 16-bit digests to collide.
+(Cauchy-Schwarz). Digests below 2**16 keep every sum exact in float64 up to 2**21 ranks. A mismatch is
+raised before the optimizer reads a gradient, so the weights and optimizer states stay as the last good step
+left them (that step's loss, computed from mixed weights, was wrong already). A mismatch that goes unseen
+needs both 16-bit digests to collide.
 """
 from __future__ import annotations
 
