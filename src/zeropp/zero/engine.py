@@ -43,7 +43,7 @@ from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
-from zeropp.zero.memory import ActivationMeter, GatheredWeights, memory_report, weight_storages
+from zeropp.zero.memory import ActivationMeter, GatheredWeights, memory_report, model_state_bytes, weight_storages
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder, CollectiveOrderError
 from zeropp.zero.param_use import ParamUse
 from zeropp.zero.timing import StepTimer, format_time_report
@@ -807,36 +807,7 @@ class ZeroEngine(DeepSpeedSurface):
         Optimizer state counts the tensors shaped like a shard (Adam's moments, SGD's momentum); per
         parameter scalars such as Adam's step counter are bookkeeping, not model state, and are left out.
         """
-        seen: set[int] = set()
-
-        def size(t: Optional[torch.Tensor]) -> int:
-            if t is None:
-                return 0
-            key = t.untyped_storage().data_ptr()
-            if key in seen or t.untyped_storage().nbytes() == 0:
-                return 0
-            seen.add(key)
-            return t.untyped_storage().nbytes()
-
-        out = {
-            "master_fp32": sum(size(u.master) for u in self.units if u.holds_master),
-            "shard_16bit": sum(size(u.kept_shard) + size(u.staged_row) for u in self.units),
-            "grad_shard": sum(size(u.grad) for u in self.units),
-            "optimizer_state": 0,
-            "gathered_params": sum(size(s.full) for u in self.units for s in u.slots),
-            "full_grads": sum(size(s.param.grad) for u in self.units for s in u.slots),
-            "bucket_grads": self.buckets.held_bytes(),
-            "frozen_quantized": sum(size(u.quantized_state()) for u in self.units),
-        }
-        for state in self.optimizer.state.values():
-            for t in state.values():
-                if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    out["optimizer_state"] += size(t)
-        held = self.strategies.forward_gather.held_tensors() + self.strategies.backward_gather.held_tensors()
-        out["hpz_secondary"] = sum(size(t) for t in held)
-        out["reduce_state"] = sum(size(t) for t in _tensors_in(self.strategies.reduce.state_dict()))
-        out["total"] = sum(out.values())
-        return out
+        return model_state_bytes(self)
 
     def offload_report(self) -> dict[str, Any]:
         """NVMe offload: bytes held in the per-rank files, the swap buffers' budget and the most they held
@@ -850,13 +821,3 @@ class ZeroEngine(DeepSpeedSurface):
         self.join_update()
         self.residency.close()
 
-
-def _tensors_in(state: Any) -> list[torch.Tensor]:
-    """Every tensor inside nested dicts, lists and tuples (a strategy's ``state_dict()``)."""
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors_in(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _tensors_in(v)]
-    return []

@@ -340,3 +340,49 @@ def memory_report(engine: Any) -> dict[str, Any]:
         "peak_bytes": states["total"] - states["gathered_params"] + max(gathered_peak, states["gathered_params"])
         + buffer_bytes + activations["saved_peak_device"],
     }
+
+
+def model_state_bytes(engine: Any) -> dict[str, int]:
+    """``engine.model_state_bytes()``: the model-state tensors the rank holds, by kind, measured from the
+    tensors (each storage counted once)."""
+    seen: set[int] = set()
+
+    def size(t: Optional[torch.Tensor]) -> int:
+        if t is None:
+            return 0
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.untyped_storage().nbytes() == 0:
+            return 0
+        seen.add(key)
+        return t.untyped_storage().nbytes()
+
+    out = {
+        "master_fp32": sum(size(u.master) for u in engine.units if u.holds_master),
+        "shard_16bit": sum(size(u.kept_shard) + size(u.staged_row) for u in engine.units),
+        "grad_shard": sum(size(u.grad) for u in engine.units),
+        "optimizer_state": 0,
+        "gathered_params": sum(size(s.full) for u in engine.units for s in u.slots),
+        "full_grads": sum(size(s.param.grad) for u in engine.units for s in u.slots),
+        "bucket_grads": engine.buckets.held_bytes(),
+        "frozen_quantized": sum(size(u.quantized_state()) for u in engine.units),
+    }
+    for state in engine.optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                out["optimizer_state"] += size(t)
+    held = engine.strategies.forward_gather.held_tensors() + engine.strategies.backward_gather.held_tensors()
+    out["hpz_secondary"] = sum(size(t) for t in held)
+    out["reduce_state"] = sum(size(t) for t in _tensors_in(engine.strategies.reduce.state_dict()))
+    out["total"] = sum(out.values())
+    return out
+
+
+def _tensors_in(state: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested dicts, lists and tuples (a strategy's ``state_dict()``)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors_in(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors_in(v)]
+    return []
