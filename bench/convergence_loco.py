@@ -48,7 +48,7 @@ def run(name: str, args: argparse.Namespace, work: str) -> dict:
         # rounds to 0; blocks of 64 (a scale per 16 payload bytes) keep it usable. The size is global (qwZ too).
         zero["quantization_block_size"] = args.int2_block
     if "zeropp_loco_param" in zero:
-        zero["zeropp_loco_param"] = {**zero["zeropp_loco_param"], "err_beta": args.err_beta}
+        zero["zeropp_loco_param"] = {**zero["zeropp_loco_param"], "err_beta": args.err_beta, "reset_T": args.reset_t}
     cfg_path, out = os.path.join(work, f"{name}.config.json"), os.path.join(work, f"{name}.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
@@ -95,6 +95,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (demo: 128)")
     p.add_argument("--int2-block", type=int, default=64, help="quantization block size of the int2 runs")
     p.add_argument("--err-beta", type=float, default=LOCO["err_beta"], help="LoCo's err_beta in the LoCo runs")
+    p.add_argument("--reset-t", type=int, default=LOCO["reset_T"], help="LoCo's reset_T in the LoCo runs")
     p.add_argument("--tag", default="", help="suffix of the output files (exploratory runs)")
     p.add_argument("--no-plot", action="store_true", help="write the JSON only (matplotlib is in the bench extra)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -107,7 +108,7 @@ def main() -> int:
     ref = finals.get("zero3")
     summary = {
         "steps": args.steps, "seed": args.seed, "micro_batch": args.micro_batch, "seq": args.seq,
-        "int2_block": args.int2_block, "loco": {**LOCO, "err_beta": args.err_beta},
+        "int2_block": args.int2_block, "loco": {**LOCO, "err_beta": args.err_beta, "reset_T": args.reset_t},
         "final_loss": finals,
         "relative_to_zero3": {n: (f - ref) / ref for n, f in finals.items()} if ref else None,
         "grad_reduce_bytes_per_step": {n: reduce_bytes(r) for n, r in runs.items()},
