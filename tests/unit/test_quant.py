@@ -3,12 +3,15 @@ with the spec (the Triton kernels: test_quant_triton.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from zeropp import native
 from zeropp.quant import (
     BlockLayout,
     NonFiniteInputError,
@@ -298,6 +301,79 @@ def test_fast_bit_identical_at_rounding_ties(bits):
     _assert_identical(x, layout, bits)
 
 
+# Long blocks for the kernel's AVX-512 body (128 elements a step), odd starts before and inside it, tails.
+SIMD_LAYOUT = BlockLayout((1, 128, 255, 2048, 3, 4097, 130), 2048)
+
+
+def _simd_edge_rows(bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """[4, numel] rows: random magnitudes; exact rounding ties (x / scale = j + 1/2, each block holding qmax as its
+    largest |x|); subnormal blocks, where the clamp can act (fp32: max 15 * 2^-149 gives scale 2 * 2^-149 and a
+    quotient of 7.5); and inf/nan (for the poisoning path)."""
+    qmax, n = QMAX[bits], SIMD_LAYOUT.numel
+    rand = torch.randn(n, generator=_gen(21)) * torch.logspace(-3, 3, n)
+    ties = torch.cat([torch.tensor([float(qmax)]), torch.arange(-qmax, qmax) + 0.5]) * 2.0**-3
+    tie_row = ties.repeat(-(-n // ties.numel()))[:n]
+    tiny = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}[dtype]
+    sub = torch.tensor([15.0, -14.0, 13.0, 7.0, -1.0, 0.0, 11.0]).repeat(-(-n // 7))[:n] * tiny
+    bad = torch.randn(n, generator=_gen(22))
+    bad[[300, 2500, n - 1]] = torch.tensor([float("inf"), float("nan"), float("-inf")])
+    return torch.stack([rand, tie_row, sub.to(torch.float32), bad]).to(dtype)
+
+
+def _check_simd_edges(bits: int) -> None:
+    """The C kernel equals the spec on SIMD_LAYOUT: quantize (raising and poisoning), dequantize, and qgZ's fused
+    steps, whose requantization runs the fp32 body."""
+    layout = SIMD_LAYOUT
+    for dtype in DTYPES:
+        x = _simd_edge_rows(bits, dtype)
+        _assert_identical(x[:3], layout, bits)
+        assert _rows_equal(fast.quantize(x, layout, bits, poison=True), spec.quantize(x, layout, bits, poison=True))
+    q = spec.quantize(_simd_edge_rows(bits, torch.float32)[:3].repeat(2, 1) * 0.37, layout, bits)
+    for poison in (False, True):
+        qq = q if poison else QuantizedRows(q.data[:4], q.scales[:4])  # rows 0-3: finite
+        assert _rows_equal(fast.dequantize_sum_quantize(qq, layout, bits, 2, poison=poison),
+                           spec.dequantize_sum_quantize(qq, layout, bits, 2, poison=poison)), poison
+    for divisor in (4.0, 3.0):
+        assert _same_bits(fast.dequantize_sum(q, layout, bits, 2, divisor=divisor),
+                          spec.dequantize_sum(q, layout, bits, 2, divisor=divisor)), divisor
+
+
+@needs_fast
+@pytest.mark.parametrize("bits", (8, 4))
+def test_fast_simd_body_bit_identical(bits):
+    _check_simd_edges(bits)
+
+
+@pytest.mark.skipif(native.compiler() is None or os.environ.get("ZEROPP_QUANT_FAST") == "0",
+                    reason="no C compiler, or the kernel turned off")
+def test_fast_kernel_builds_and_passes_its_self_test():
+    """Where a C compiler exists, the kernel must build and agree with the spec: a kernel that failed its
+    self-test would only warn and fall back to the spec, and every ``needs_fast`` test would skip."""
+    assert fast_available()
+
+
+@needs_fast
+def test_fast_simd_body_is_built_on_avx512_machines():
+    """The AVX-512 body is in the loaded kernel exactly when the CPU has AVX-512F/BW, so the test above runs it
+    on such machines (and a build that quietly dropped it would show here)."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    assert fast.simd_built() == ({"avx512f", "avx512bw"} <= set(flags))
+
+
+@needs_fast
+def test_fast_portable_build_bit_identical():
+    """``ZEROPP_QUANT_SIMD=0`` builds the portable C only (what machines without AVX-512 run); it equals the spec
+    on the same edges, clamp-free loops included (Note [clamp-free codes])."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from test_quant import _check_simd_edges, fast; "
+            "_check_simd_edges(8); _check_simd_edges(4); print('simd', fast.simd_built())")
+    env = {**os.environ, "ZEROPP_QUANT_SIMD": "0"}
+    res = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("simd False"), res.stdout
+
+
 @needs_fast
 @pytest.mark.parametrize("bits", BITS)
 def test_fast_multithreaded_odd_segments(bits):
@@ -385,6 +461,22 @@ def test_dequantize_sum_divides_by_the_divisor_exactly(case, bits):
         want = (total.double() / d32).float()
         for impl in (spec.dequantize_sum, dequantize_sum):
             assert _same_bits(impl(q, layout, bits, g, divisor=divisor), want)
+
+
+@needs_fast
+def test_fast_power_of_two_divisor_keeps_the_division_bits():
+    """The C kernel multiplies by 2^-k for a divisor 2^k (one correct rounding of the same real number). The
+    edges: quotients that fall into the subnormals (where a multiply by a rounded reciprocal would differ),
+    inf and nan sums, divisors at and past the exponent range where the kernel divides instead."""
+    layout = BlockLayout((6,), 6)
+    codes = torch.tensor([[127, -127, 3, 1, 0, 127], [0, 0, 0, 1, 0, 127]], dtype=torch.int8).view(torch.uint8)
+    scales = [1e-30, 3e-38, 1.5e-38, 1e-45, 1.0, 2.0**100, 3.0e38, float("inf"), float("nan")]
+    for sa in scales:
+        for sb in (1.0, 1e-40):
+            q = QuantizedRows(codes, torch.tensor([[sa], [sb]]))
+            for divisor in (2.0, 4.0, 2.0**-20, 2.0**20, 2.0**-125, 2.0**-126, 2.0**125, 2.0**126, 2.0**127):
+                want = spec.dequantize_sum(q, layout, 8, 2, divisor=divisor)
+                assert _same_bits(fast.dequantize_sum(q, layout, 8, 2, divisor=divisor), want), (sa, sb, divisor)
 
 
 @needs_fast

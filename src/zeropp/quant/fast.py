@@ -5,10 +5,11 @@ Why a small C kernel and not torch ops or ``torch.compile``: the spec takes ~10 
 fuses it but measured ~8x slower than this kernel on the 2-core CI machine and costs ~20 s of cold compile
 per shape (docs/benchmarks.md, "Quantizer kernels"). The kernel makes one pass per block while the block sits
 in L1: max |x| on the integer bit patterns (which also detects inf/nan: their exponent bits are all ones),
-then divide / round-half-even / clamp / pack. Rows x blocks are split over ``torch.get_num_threads()``
+then divide / round-half-even / clamp (Note [clamp-free codes]) / pack. Rows x blocks are split over ``torch.get_num_threads()``
 threads of the OpenMP pool (torch's own libgomp, shared by soname; pthreads when torch does not use
 ``libgomp.so.1``, or with ``ZEROPP_QUANT_OPENMP=0``). It is plain C99 (no torch headers), so it builds in
-about a second.
+about a second. On AVX-512 machines the int4 code emission has an intrinsics body (fewer shuffles than gcc's
+vectorization of the portable loop, which Zen 4 runs at half rate); ``ZEROPP_QUANT_SIMD=0`` builds without it.
 
 Bit-identity with the spec rests on: exact IEEE fp32 division (no ``-ffast-math``, no FMA contraction),
 ``rintf`` (round half to even, as ``torch.round``), and the same round-to-nearest-even fp32->bf16/fp16
@@ -41,7 +42,7 @@ from . import blockwise as spec
 from .blockwise import QuantizedRows
 from .layout import BlockLayout, layout_index, payload_bytes
 
-__all__ = ["dequantize", "dequantize_sum", "dequantize_sum_quantize", "fast_available", "quantize"]
+__all__ = ["dequantize", "dequantize_sum", "dequantize_sum_quantize", "fast_available", "quantize", "simd_built"]
 
 _C_SOURCE = r"""
 #include <math.h>
@@ -51,6 +52,13 @@ _C_SOURCE = r"""
 #endif
 #include <stdint.h>
 #include <string.h>
+/* AVX-512 body for int4 codes (built with -march=native; -DZQ_NO_SIMD keeps the portable C only). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(ZQ_NO_SIMD)
+#include <immintrin.h>
+#define ZQ_SIMD 1
+#else
+#define ZQ_SIMD 0
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 #define CH 2048 /* int4 staging chunk, even */
@@ -63,12 +71,76 @@ static inline int8_t qcode(float v, float div, float qmax) {
     return (int8_t)(int32_t)t;
 }
 
+/* Note [clamp-free codes]: when div is normal the clamp in qcode never acts, so the hot loops leave it out
+   (it cost about a fifth of quantize). div = RN(m / qmax) for the block's largest finite |x| = m, within a
+   relative 2^-24 of m / qmax when normal, so every |x| <= m gives |x / div| <= qmax (1 + 2^-23) and
+   rintf(RN(x / div)) lies in [-qmax, qmax]. A subnormal div (m below about 1e-37) can be far off m / qmax, and
+   there the clamp stays. div = 1 (an all-zero block) is normal too. */
+static inline int clamp_free(float div) { return div >= 0x1p-126f; }
+
 /* Codes of n consecutive elements. (A reciprocal multiply with an exact fallback near rounding boundaries was
-   tried: bit-identical but 1.6x slower here than the plain vectorized division.) */
+   tried, scalar and with AVX-512: bit-identical but no faster here than the vectorized division.) */
 #define DEFINE_CODES(SUF, T, LOADF)                                                                  \
 static void codes_##SUF(const T* x, int64_t n, float div, float qmax, int8_t* out) {                 \
-    for (int64_t k = 0; k < n; k++) out[k] = qcode(LOADF(x[k]), div, qmax);                          \
+    if (clamp_free(div))                                                                             \
+        for (int64_t k = 0; k < n; k++) out[k] = (int8_t)(int32_t)rintf(LOADF(x[k]) / div);          \
+    else                                                                                             \
+        for (int64_t k = 0; k < n; k++) out[k] = qcode(LOADF(x[k]), div, qmax);                      \
 }
+
+#if ZQ_SIMD
+/* int4 codes of 128 elements, two per byte, with few shuffles (Zen 4 runs zmm shuffles at half rate): each
+   dword of 32 loaded bits holds an (even, odd) element pair, so the even and odd elements come out as two fp32
+   vectors and their codes combine in place into the pair's byte, (c_even + 8) | (c_odd + 8) << 4; four such
+   vectors narrow with two in-lane packs and one dword permute. Rounding: vcvtps2dq with round-to-nearest-even,
+   as rintf; the division is IEEE. Clamp-free only (Note [clamp-free codes]). */
+static inline __m512i vpair4(__m512 ev, __m512 od, __m512 vd) {
+    const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512i ce = _mm512_cvt_roundps_epi32(_mm512_div_ps(ev, vd), rne);
+    __m512i co = _mm512_cvt_roundps_epi32(_mm512_div_ps(od, vd), rne);
+    const __m512i eight = _mm512_set1_epi32(8);
+    return _mm512_or_si512(_mm512_add_epi32(ce, eight), _mm512_slli_epi32(_mm512_add_epi32(co, eight), 4));
+}
+static inline void vstore64(__m512i b0, __m512i b1, __m512i b2, __m512i b3, uint8_t* o) {
+    __m512i b = _mm512_packus_epi16(_mm512_packs_epi32(b0, b1), _mm512_packs_epi32(b2, b3));
+    /* 128-bit lane l now holds dwords [b0's lane l, b1's, b2's, b3's]: transpose 4x4 dwords */
+    const __m512i t = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_si512((void*)o, _mm512_permutexvar_epi32(t, b));
+}
+static inline __m512i vbf16_pairs(const uint16_t* x, __m512 vd) {
+    __m512i w = _mm512_loadu_si512((const void*)x);
+    __m512 ev = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    __m512 od = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
+    return vpair4(ev, od, vd);
+}
+static inline __m512i vf32_pairs(const float* x, __m512 vd) {
+    __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return vpair4(_mm512_permutex2var_ps(a, ie, b), _mm512_permutex2var_ps(a, io, b), vd);
+}
+/* Codes of xb[i - s ..) for row elements [i, e) (i even) into dr, 128 at a time; returns where it stopped. */
+#define DEFINE_SIMD4(SUF, T, PAIRS)                                                                  \
+static int64_t simd4_##SUF(const T* xb, int64_t s, int64_t i, int64_t e, float div, uint8_t* dr) {   \
+    if (!clamp_free(div)) return i;                                                                  \
+    __m512 vd = _mm512_set1_ps(div);                                                                 \
+    for (; i + 128 <= e; i += 128) {                                                                 \
+        const T* x = xb + (i - s);                                                                   \
+        vstore64(PAIRS(x, vd), PAIRS(x + 32, vd), PAIRS(x + 64, vd), PAIRS(x + 96, vd), dr + (i >> 1));\
+    }                                                                                                \
+    return i;                                                                                        \
+}
+DEFINE_SIMD4(bf16, uint16_t, vbf16_pairs)
+DEFINE_SIMD4(f32, float, vf32_pairs)
+#define SIMD4(SUF) SIMD4_##SUF
+#define SIMD4_bf16 i = simd4_bf16(xb, s, i, e, div, dr);
+#define SIMD4_f32 i = simd4_f32(xb, s, i, e, div, dr);
+#else
+#define SIMD4(SUF)
+#define SIMD4_bf16
+#define SIMD4_f32
+#endif
+#define SIMD4_f16 /* fp16 gradients are rare: the portable loop */
 
 /* Per input dtype: code emission, the poisoned-block path and the block quantizer (max |x| on bit patterns:
    inf/nan have all exponent bits set). xb points at row element s throughout. */
@@ -84,6 +156,7 @@ static void emit_##SUF(const T* xb, int64_t s, int64_t e, int bits, float div, f
         dr[i >> 1] |= (uint8_t)((qcode(LOADF(xb[0]), div, qmax) + 8) << 4);                         \
         i++;                                                                                         \
     }                                                                                                \
+    SIMD4_##SUF /* i is even from here */                                                            \
     int8_t tmp[CH];                                                                                  \
     while (i < e) {                                                                                  \
         int64_t n = e - i < CH ? e - i : CH, np = n >> 1;                                            \
@@ -243,11 +316,18 @@ static void sum_range(const job_t* j, int64_t r, int64_t b, int64_t s, int64_t e
 
 static void* sum_worker(void* p) {
     job_t* j = (job_t*)p;
+    /* A divisor 2^k (the world size often is) becomes a multiply by 2^-k: both are one correct rounding of the
+       same real number, so the bits are the division's, and a multiply costs a fraction of vdivps. */
+    int ex;
+    int pow2 = j->has_div && frexpf(j->divisor, &ex) == 0.5f && ex > -125 && ex < 126;
+    float inv = pow2 ? 1.0f / j->divisor : 0.0f;
     for (int64_t g = j->g0; g < j->g1; g++) {
         int64_t r = g / j->nb, b = g % j->nb, s = j->starts[b], e = j->starts[b + 1];
         float* acc = (float*)j->y + r * j->numel + s;
         sum_range(j, r, b, s, e, acc);
-        if (j->has_div)
+        if (pow2)
+            for (int64_t k = 0; k < e - s; k++) acc[k] = acc[k] * inv;
+        else if (j->has_div)
             for (int64_t k = 0; k < e - s; k++) acc[k] = acc[k] / j->divisor;
     }
     return NULL;
@@ -366,6 +446,7 @@ static int64_t run(job_t* base, int nt, int even_splits, void* (*fn)(void*)) {
 }
 
 int zq_abi(void) { return 3; }
+int zq_simd(void) { return ZQ_SIMD; } /* 1 when the AVX-512 body is built in */
 
 /* Returns -1, or the row-major index (row * nb + block) of the first block holding inf/nan (never with poison). */
 int64_t zq_quantize(const void* x, int dt, int64_t G, int64_t numel, const int64_t* starts, int64_t nb, int bits,
@@ -417,8 +498,9 @@ def _load() -> ctypes.CDLL | None:
     """Build (or find cached) and load the first flag variant that compiles and loads (the OpenMP build may
     compile yet fail to load); build and cache rules are ``zeropp.native``'s."""
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    base = _BASE_FLAGS + (["-DZQ_NO_SIMD"] if os.environ.get("ZEROPP_QUANT_SIMD", "1") == "0" else [])
     for extra in native.openmp_variants("ZEROPP_QUANT_OPENMP"):
-        so = native.build_shared_library("quant", _C_SOURCE, _BASE_FLAGS, [extra])
+        so = native.build_shared_library("quant", _C_SOURCE, base, [extra])
         if so is None:
             continue
         try:
@@ -442,11 +524,18 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _self_test() -> bool:
-    """Compare against the spec on a small multi-segment case (odd starts, short blocks, zero segment)."""
+    """Compare against the spec on small multi-segment cases (odd starts, short blocks, a zero segment), one
+    with blocks long enough for the SIMD body (128 elements a step) and odd starts before and inside it."""
     gen = torch.Generator().manual_seed(0)
-    layout = BlockLayout((5, 0, 67, 32, 1, 4000), 16)
-    x = torch.randn(4, layout.numel, generator=gen) * torch.logspace(-3, 3, layout.numel)
-    x[1, 5:72] = 0.0
+    for layout in (BlockLayout((5, 0, 67, 32, 1, 4000), 16), BlockLayout((3, 700, 0, 1025, 513), 256)):
+        x = torch.randn(4, layout.numel, generator=gen) * torch.logspace(-3, 3, layout.numel)
+        x[1, 5:72] = 0.0
+        if not _agrees_with_spec(x, layout):
+            return False
+    return True
+
+
+def _agrees_with_spec(x: torch.Tensor, layout: BlockLayout) -> bool:
     for dtype in _DTYPE_CODE:
         xd = x.to(dtype)
         for bits in (8, 4):
@@ -457,14 +546,16 @@ def _self_test() -> bool:
                 if not torch.equal(_dequantize_c(b, layout, bits, out_dtype, None),
                                    spec.dequantize(b, layout, bits, out_dtype)):
                     return False
-            if dtype == torch.float32:
-                if not torch.equal(_dequantize_sum_c(b, layout, bits, 2, None, 3.0),
-                                   spec.dequantize_sum(b, layout, bits, 2, divisor=3.0)):
+            if dtype != torch.float32:
+                continue
+            for divisor in (3.0, 4.0):  # a true division, and a power of two (a multiply in the kernel)
+                if not torch.equal(_dequantize_sum_c(b, layout, bits, 2, None, divisor),
+                                   spec.dequantize_sum(b, layout, bits, 2, divisor=divisor)):
                     return False
-                c = _sum_quantize_c(b, layout, bits, 2, None, False)
-                d = spec.dequantize_sum_quantize(b, layout, bits, 2)
-                if not (torch.equal(c.data, d.data) and torch.equal(c.scales, d.scales)):
-                    return False
+            c = _sum_quantize_c(b, layout, bits, 2, None, False)
+            d = spec.dequantize_sum_quantize(b, layout, bits, 2)
+            if not (torch.equal(c.data, d.data) and torch.equal(c.scales, d.scales)):
+                return False
     return True
 
 
@@ -492,6 +583,11 @@ def fast_available() -> bool:
                     _lib = None
             _tried = True
     return _lib is not None
+
+
+def simd_built() -> bool:
+    """True when the loaded kernel has its AVX-512 body (an AVX-512 machine, and ``ZEROPP_QUANT_SIMD`` not 0)."""
+    return fast_available() and bool(_lib.zq_simd())
 
 
 def _threads(elems: int) -> int:
