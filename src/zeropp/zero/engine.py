@@ -41,6 +41,7 @@ from zeropp.partition.unit import FrozenUnit, Unit, UnitState, check_requires_gr
 from zeropp.topology import Topology
 from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
+from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_state_dict
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, memory_report, model_state_bytes, weight_storages
@@ -721,51 +722,14 @@ class ZeroEngine(DeepSpeedSurface):
     # ---- weights in and out ------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 state dict (``model.state_dict()``'s keys) on every rank, gathered from the masters."""
-        self.join_update()
-        full: dict[int, torch.Tensor] = {}
-        world = self.topo.world
-        for u in self.units:
-            rows = torch.empty(world.size, u.row.numel, dtype=torch.float32, device=u.device)
-            with self.residency.resident([u], dirty=False):
-                self.comm.all_gather(rows, u.master.to(u.device), world, Phase.OTHER)
-            for slot, off, c in zip(u.slots, u.row.offsets, u.row.chunks):
-                flat = rows[:, off : off + c].reshape(-1)[: slot.spec.numel]
-                full[id(slot.param)] = flat.view(slot.spec.shape).clone()
-        out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in full:
-                out[name] = full[id(t)]
-            else:
-                out[name] = t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
-        return out
+        return consolidated_state_dict(self)
 
     def load_consolidated_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Overwrite the master weights (and 16-bit shards) from a full state dict; stale copies are dropped.
 
         Every entry is checked before anything is written, so a bad state dict leaves the engine unchanged.
         """
-        self.join_update()
-        names = {id(t): n for n, t in self.module.state_dict(keep_vars=True).items()}
-        sources = {}
-        for u in self.units:
-            for slot in u.slots:
-                name = names[id(slot.param)]
-                if name not in state:
-                    raise KeyError(f"state dict has no entry for parameter {name}")
-                src = state[name].detach().reshape(-1).float()
-                if src.numel() != slot.spec.numel:
-                    raise ValueError(f"{name}: expected {slot.spec.numel} elements, got {src.numel()}")
-                if not torch.isfinite(src).all():
-                    raise ValueError(f"{name}: the state dict holds inf or nan")
-                sources[id(slot.param)] = src
-        with torch.no_grad():
-            for u in self.units:
-                with self.residency.resident([u]):
-                    for slot, view in zip(u.slots, u.master_views()):
-                        start, stop = slot.spec.owned(u.rank)  # u.rank: 0 in stage 0's group of one
-                        view.zero_()
-                        view[: stop - start].copy_(sources[id(slot.param)][start:stop])
-        self.masters_changed()
+        load_consolidated_state_dict(self, state)
 
     def masters_changed(self) -> None:
         """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""
