@@ -234,3 +234,27 @@ def test_calibration_turns_timings_into_alpha_beta_and_wire_efficiency() -> None
     assert fit.alpha_s == pytest.approx(0.001, rel=1e-6)
     assert fit.wire_efficiency == pytest.approx(3 * row / 0.6 / 25e6, rel=1e-6)
     assert fit.seconds(3 * row) == pytest.approx(0.601)
+
+
+def test_a_shaped_link_times_every_pattern_at_the_streaming_efficiency() -> None:
+    """Note [streaming link efficiency]: the world all-gather's efficiency for every pattern, the per-pattern
+    values kept in the profile; a profile without the all-gather keeps each pattern's own."""
+    from dataclasses import replace
+
+    from zeropp.plan import from_profile
+
+    base = sample_profile()
+    effs = {"all_gather": 0.93, "all_to_all": 0.8, "all_to_all_inter": 0.55, "all_reduce": 0.9}
+    shaped = InterLink("200mbit", 0.2, {k: Fit(1e-3, 2e7, e) for k, e in effs.items()})
+    hw = from_profile(replace(base, inter=[base.inter[0], shaped]), 2, 2, 1.0, link_label="200mbit")
+    assert {k: hw.efficiency(k) for k in effs} == {k: 0.93 for k in effs}
+    assert hw.shaped_fits["all_to_all_inter"].wire_efficiency == 0.55  # the measurement itself is kept
+    no_gather = InterLink("200mbit", 0.2, {k: Fit(1e-3, 2e7, e) for k, e in effs.items() if k != "all_gather"})
+    hw = from_profile(replace(base, inter=[base.inter[0], no_gather]), 2, 2, 1.0, link_label="200mbit")
+    assert hw.efficiency("all_to_all_inter") == 0.55 and hw.efficiency("all_to_all") == 0.8
+    # the all-gather's efficiency alone moves a qgZ step (whose second hop is an all_to_all_inter)
+    slower = {**effs, "all_gather": 0.5}
+    times = [step_time(MODEL, Choice(3, qgz_bits=4), from_profile(replace(base, inter=[base.inter[0], InterLink(
+        "200mbit", 0.2, {k: Fit(1e-3, 2e7, e) for k, e in e_of.items()})]), 2, 2, 1.0, link_label="200mbit"),
+        ONE_BUCKET).step_s for e_of in (effs, slower)]
+    assert times[1] > times[0]

@@ -15,7 +15,8 @@ collective's pattern (gloo's, as the ledger counts them; NCCL's rings behave ali
 
 Time of one collective: ``max(host, alpha + inter wire / (rate x efficiency), intra wire / intra rate)``, where
 ``host`` is its alpha-beta time on the unshaped link (CPU ranks: copying through the kernel is the cost) and
-the efficiency of each pattern on a shaped link comes from the profile (else ``GPU_DEFAULTS``).
+the efficiency on a shaped link comes from the profile (the link's streaming efficiency, Note [streaming link
+efficiency] in ``hardware.py``; else ``GPU_DEFAULTS``).
 """
 from __future__ import annotations
 
