@@ -5,11 +5,12 @@ Why a small C kernel and not torch ops or ``torch.compile``: the spec takes ~10 
 fuses it but measured ~8x slower than this kernel on the 2-core CI machine and costs ~20 s of cold compile
 per shape (docs/benchmarks.md, "Quantizer kernels"). The kernel makes one pass per block while the block sits
 in L1: max |x| on the integer bit patterns (which also detects inf/nan: their exponent bits are all ones),
-then divide / round-half-even / clamp (Note [clamp-free codes]) / pack. Rows x blocks are split over ``torch.get_num_threads()``
-threads of the OpenMP pool (torch's own libgomp, shared by soname; pthreads when torch does not use
-``libgomp.so.1``, or with ``ZEROPP_QUANT_OPENMP=0``). It is plain C99 (no torch headers), so it builds in
-about a second. On AVX-512 machines the int4 code emission has an intrinsics body (fewer shuffles than gcc's
-vectorization of the portable loop, which Zen 4 runs at half rate); ``ZEROPP_QUANT_SIMD=0`` builds without it.
+then divide / round-half-even / clamp (Note [clamp-free codes]) / pack. Rows x blocks are split over
+``torch.get_num_threads()`` threads of the OpenMP pool (torch's own libgomp, shared by soname; pthreads when
+torch does not use ``libgomp.so.1``, or with ``ZEROPP_QUANT_OPENMP=0``). It is plain C99 (no torch headers), so
+it builds in about a second. On AVX-512 machines the int4 code emission and qgZ's dequantize-and-add loop have
+intrinsics bodies (fewer shuffles than gcc's vectorization of the portable loops); ``ZEROPP_QUANT_SIMD=0``
+builds without them.
 
 Bit-identity with the spec rests on: exact IEEE fp32 division (no ``-ffast-math``, no FMA contraction),
 ``rintf`` (round half to even, as ``torch.round``), and the same round-to-nearest-even fp32->bf16/fp16
@@ -52,7 +53,7 @@ _C_SOURCE = r"""
 #endif
 #include <stdint.h>
 #include <string.h>
-/* AVX-512 body for int4 codes (built with -march=native; -DZQ_NO_SIMD keeps the portable C only). */
+/* AVX-512 bodies for two hot loops (built with -march=native; -DZQ_NO_SIMD keeps the portable C only). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(ZQ_NO_SIMD)
 #include <immintrin.h>
 #define ZQ_SIMD 1
@@ -89,7 +90,7 @@ static void codes_##SUF(const T* x, int64_t n, float div, float qmax, int8_t* ou
 }
 
 #if ZQ_SIMD
-/* int4 codes of 128 elements, two per byte, with few shuffles (Zen 4 runs zmm shuffles at half rate): each
+/* int4 codes of 128 elements, two per byte, with few shuffles (costly at zmm width on Zen 4): each
    dword of 32 loaded bits holds an (even, odd) element pair, so the even and odd elements come out as two fp32
    vectors and their codes combine in place into the pair's byte, (c_even + 8) | (c_odd + 8) << 4; four such
    vectors narrow with two in-lane packs and one dword permute. Rounding: vcvtps2dq with round-to-nearest-even,
@@ -132,11 +133,9 @@ static int64_t simd4_##SUF(const T* xb, int64_t s, int64_t i, int64_t e, float d
 }
 DEFINE_SIMD4(bf16, uint16_t, vbf16_pairs)
 DEFINE_SIMD4(f32, float, vf32_pairs)
-#define SIMD4(SUF) SIMD4_##SUF
 #define SIMD4_bf16 i = simd4_bf16(xb, s, i, e, div, dr);
 #define SIMD4_f32 i = simd4_f32(xb, s, i, e, div, dr);
 #else
-#define SIMD4(SUF)
 #define SIMD4_bf16
 #define SIMD4_f32
 #endif
