@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from zeropp.plan.profile import Fit, InterLink, PlanError, Profile
 
@@ -37,22 +37,35 @@ def _write_json(path: str, value: Any) -> None:
 
 
 # ---- inside a rank ------------------------------------------------------------------------------------------
-def host_probes(device_name: str) -> dict[str, Any]:
-    """Compute, quantizer and host-work rates of this rank (every rank runs them at the same time)."""
+def host_probes(device_name: str, sync: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Compute, quantizer and host-work rates of this rank, every rank running each probe at the same time.
+
+    Each probe runs twice and the second round counts, with ``sync`` (a barrier) before each round. Timed on
+    its first use, a probe met the other ranks' first-use work (imports, the C kernel's build and self-test,
+    fresh allocations), and ranks sharing cores drifted into different probes: with 4 ranks on 2 cores the
+    first int8 quantizer probe came out 5-6x slower on some ranks than the next five tries, and calibrations
+    of one machine disagreed 2-5x on host rates (docs/benchmarks.md, issue 16)."""
     import torch
 
     from zeropp.plan import probes
 
     device = torch.device(device_name)
-    q8, d8 = probes.quantizer_rates(device, 8)
-    q4, d4 = probes.quantizer_rates(device, 4)
-    s8, m8 = probes.qgz_fused_rates(device, 8)
-    s4, m4 = probes.qgz_fused_rates(device, 4)
-    return {"matmul_flops": probes.matmul_flops(device), "step_flops": probes.step_flops(device),
+
+    def timed(fn: Callable[..., Any], *args: Any) -> Any:
+        sync()
+        fn(device, *args)  # a whole untimed round first: imports, kernel builds, first allocations
+        sync()
+        return fn(device, *args)
+
+    q8, d8 = timed(probes.quantizer_rates, 8)
+    q4, d4 = timed(probes.quantizer_rates, 4)
+    s8, m8 = timed(probes.qgz_fused_rates, 8)
+    s4, m4 = timed(probes.qgz_fused_rates, 4)
+    return {"matmul_flops": timed(probes.matmul_flops), "step_flops": timed(probes.step_flops),
             "quantize_per_s": {"8": q8, "4": q4}, "dequantize_per_s": {"8": d8, "4": d4},
             "qgz_sum_requantize_per_s": {"8": s8, "4": s4}, "qgz_sum_per_s": {"8": m8, "4": m4},
-            "optimizer_per_s": probes.optimizer_rate(device), "reduce_sum_per_s": probes.reduce_sum_rate(device),
-            "copy_bytes_per_s": probes.copy_rate(device)}
+            "optimizer_per_s": timed(probes.optimizer_rate), "reduce_sum_per_s": timed(probes.reduce_sum_rate),
+            "copy_bytes_per_s": timed(probes.copy_rate)}
 
 
 def link_probes(comm: Any, intra: bool, device_name: str = "cpu") -> dict[str, Any]:
@@ -104,7 +117,7 @@ def run_rank(phases: list[str], control: Optional[str], device_name: str, timeou
         comm.barrier()
         result: dict[str, Any] = {"label": label}
         if k == 0:
-            result["host"] = host_probes(device_name)
+            result["host"] = host_probes(device_name, comm.barrier)
             comm.barrier()
         result["links"] = link_probes(comm, intra=k == 0, device_name=device_name)
         if k == 0:  # the slowest rank's compute: steps end when the slowest rank is done
