@@ -244,17 +244,18 @@ def test_a_shaped_link_times_every_pattern_at_the_streaming_efficiency() -> None
     from zeropp.plan import from_profile
 
     base = sample_profile()
+
+    def shaped(effs: dict[str, float]):  # the hardware of base with a 200 Mbit/s link measured at effs
+        link = InterLink("200mbit", 0.2, {k: Fit(1e-3, 2e7, e) for k, e in effs.items()})
+        return from_profile(replace(base, inter=[base.inter[0], link]), 2, 2, 1.0, link_label="200mbit")
+
     effs = {"all_gather": 0.93, "all_to_all": 0.8, "all_to_all_inter": 0.55, "all_reduce": 0.9}
-    shaped = InterLink("200mbit", 0.2, {k: Fit(1e-3, 2e7, e) for k, e in effs.items()})
-    hw = from_profile(replace(base, inter=[base.inter[0], shaped]), 2, 2, 1.0, link_label="200mbit")
+    hw = shaped(effs)
     assert {k: hw.efficiency(k) for k in effs} == {k: 0.93 for k in effs}
     assert hw.shaped_fits["all_to_all_inter"].wire_efficiency == 0.55  # the measurement itself is kept
-    no_gather = InterLink("200mbit", 0.2, {k: Fit(1e-3, 2e7, e) for k, e in effs.items() if k != "all_gather"})
-    hw = from_profile(replace(base, inter=[base.inter[0], no_gather]), 2, 2, 1.0, link_label="200mbit")
+    hw = shaped({k: e for k, e in effs.items() if k != "all_gather"})
     assert hw.efficiency("all_to_all_inter") == 0.55 and hw.efficiency("all_to_all") == 0.8
     # the all-gather's efficiency alone moves a qgZ step (whose second hop is an all_to_all_inter)
-    slower = {**effs, "all_gather": 0.5}
-    times = [step_time(MODEL, Choice(3, qgz_bits=4), from_profile(replace(base, inter=[base.inter[0], InterLink(
-        "200mbit", 0.2, {k: Fit(1e-3, 2e7, e) for k, e in e_of.items()})]), 2, 2, 1.0, link_label="200mbit"),
-        ONE_BUCKET).step_s for e_of in (effs, slower)]
+    times = [step_time(MODEL, Choice(3, qgz_bits=4), shaped(e), ONE_BUCKET).step_s
+             for e in (effs, {**effs, "all_gather": 0.5})]
     assert times[1] > times[0]

@@ -51,21 +51,21 @@ def host_probes(device_name: str, sync: Callable[[], None] = lambda: None) -> di
 
     device = torch.device(device_name)
 
-    def timed(fn: Callable[..., Any], *args: Any) -> Any:
+    def in_lockstep(fn: Callable[..., Any], *args: Any) -> Any:
         sync()
         fn(device, *args)  # a whole untimed round first: imports, kernel builds, first allocations
         sync()
         return fn(device, *args)
 
-    q8, d8 = timed(probes.quantizer_rates, 8)
-    q4, d4 = timed(probes.quantizer_rates, 4)
-    s8, m8 = timed(probes.qgz_fused_rates, 8)
-    s4, m4 = timed(probes.qgz_fused_rates, 4)
-    return {"matmul_flops": timed(probes.matmul_flops), "step_flops": timed(probes.step_flops),
+    q8, d8 = in_lockstep(probes.quantizer_rates, 8)
+    q4, d4 = in_lockstep(probes.quantizer_rates, 4)
+    s8, m8 = in_lockstep(probes.qgz_fused_rates, 8)
+    s4, m4 = in_lockstep(probes.qgz_fused_rates, 4)
+    return {"matmul_flops": in_lockstep(probes.matmul_flops), "step_flops": in_lockstep(probes.step_flops),
             "quantize_per_s": {"8": q8, "4": q4}, "dequantize_per_s": {"8": d8, "4": d4},
             "qgz_sum_requantize_per_s": {"8": s8, "4": s4}, "qgz_sum_per_s": {"8": m8, "4": m4},
-            "optimizer_per_s": timed(probes.optimizer_rate), "reduce_sum_per_s": timed(probes.reduce_sum_rate),
-            "copy_bytes_per_s": timed(probes.copy_rate)}
+            "optimizer_per_s": in_lockstep(probes.optimizer_rate), "reduce_sum_per_s": in_lockstep(probes.reduce_sum_rate),
+            "copy_bytes_per_s": in_lockstep(probes.copy_rate)}
 
 
 def link_probes(comm: Any, intra: bool, device_name: str = "cpu") -> dict[str, Any]:
