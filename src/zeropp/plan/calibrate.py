@@ -64,8 +64,8 @@ def host_probes(device_name: str, sync: Callable[[], None] = lambda: None) -> di
     return {"matmul_flops": in_lockstep(probes.matmul_flops), "step_flops": in_lockstep(probes.step_flops),
             "quantize_per_s": {"8": q8, "4": q4}, "dequantize_per_s": {"8": d8, "4": d4},
             "qgz_sum_requantize_per_s": {"8": s8, "4": s4}, "qgz_sum_per_s": {"8": m8, "4": m4},
-            "optimizer_per_s": in_lockstep(probes.optimizer_rate), "reduce_sum_per_s": in_lockstep(probes.reduce_sum_rate),
-            "copy_bytes_per_s": in_lockstep(probes.copy_rate)}
+            "optimizer_per_s": in_lockstep(probes.optimizer_rate),
+            "reduce_sum_per_s": in_lockstep(probes.reduce_sum_rate), "copy_bytes_per_s": in_lockstep(probes.copy_rate)}
 
 
 def link_probes(comm: Any, intra: bool, device_name: str = "cpu") -> dict[str, Any]:
