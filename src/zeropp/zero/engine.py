@@ -46,7 +46,7 @@ from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, memory_report, model_state_bytes, weight_storages
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder, CollectiveOrderError
-from zeropp.zero.param_use import ParamUse
+from zeropp.zero.param_use import ParamUse, unwatched
 from zeropp.zero.timing import StepTimer, format_time_report
 
 # Note [inference mode]: an evaluation under torch.inference_mode() may be the first forward to need a gather
@@ -332,6 +332,7 @@ class ZeroEngine(DeepSpeedSurface):
         return Pass.BACKWARD if self._backward_open else Pass.FORWARD
 
     def _make_pre_forward(self, unit: Unit) -> Callable:
+        @unwatched
         def hook(module: nn.Module, args: Any) -> None:
             current = self._pass()
             again = (self.use is not None and current is Pass.FORWARD and unit.state is UnitState.SHARDED
@@ -342,6 +343,7 @@ class ZeroEngine(DeepSpeedSurface):
         return hook
 
     def _make_post_forward(self, unit: Unit) -> Callable:
+        @unwatched
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
                 if unit.needs_grad():
@@ -364,6 +366,7 @@ class ZeroEngine(DeepSpeedSurface):
                 t.register_hook(on_output_grad)
 
     def _make_grad_hook(self, unit: Unit, slot_index: int) -> Callable:
+        @unwatched
         def hook(param: nn.Parameter) -> None:
             grad, param.grad = param.grad, None
             self.order.note(REDUCE, unit.index, slot_index)  # the add order decides what each bucket holds
@@ -379,6 +382,7 @@ class ZeroEngine(DeepSpeedSurface):
         return self.strategies.forward_gather if which is Pass.FORWARD else self.strategies.backward_gather
 
     @_OUTSIDE_INFERENCE_MODE
+    @unwatched
     def _gather(self, unit: Unit, which: Pass) -> None:
         if unit.state is UnitState.GATHERED:
             return
@@ -422,6 +426,7 @@ class ZeroEngine(DeepSpeedSurface):
             ahead.advance()
 
     @_OUTSIDE_INFERENCE_MODE
+    @unwatched
     def _release(self, unit: Unit, which: Pass) -> None:
         if unit.state is UnitState.GATHERED:
             self._strategy(which).on_release(unit)
@@ -429,6 +434,7 @@ class ZeroEngine(DeepSpeedSurface):
             unit.release()
 
     @_OUTSIDE_INFERENCE_MODE
+    @unwatched
     def _drain_prefetches(self, which: Pass) -> None:
         """Complete and drop prefetches that were not used (the model took another path this time)."""
         for unit, pending in list(self._inflight.items()):
