@@ -6,10 +6,12 @@ from the second step on the ledger equals the formulas (one gather per unit and 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 import zeropp
 from support.odd_models import MODELS, odd_batch
@@ -81,6 +83,46 @@ def in_place_write(rank: int, world: int) -> str:
     return "no error"
 
 
+class _CountCalls(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _pass_calls(step: Callable[[], None]) -> int:
+    """Torch calls the model makes in one forward + backward (no engine): what the watch should see."""
+    with _CountCalls() as mode:
+        step()
+    return mode.calls
+
+
+def watched_calls(rank: int, world: int) -> int:
+    """Torch calls that went through ParamUse's check in one ZeRO++ step on 2x2, after two warm-up steps."""
+    torch.manual_seed(0)
+    cfg = {**_config(**ZEROPP), "topology": {"ranks_per_node": 2}}
+    engine, *_ = zeropp.initialize(model=MODELS["child_weight"](), config=cfg)
+    m = GB // world
+    seen = [0]
+    check = engine.use.check_call
+
+    def counting(*args: object) -> None:
+        seen[0] += 1
+        check(*args)
+
+    for step in range(3):
+        x, y = odd_batch(step, GB)
+        if step == 2:
+            engine.use.check_call = counting  # an instance attribute, on this rank's engine only
+        loss = engine(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m])
+        engine.backward(loss)
+        engine.step()
+    return seen[0]
+
+
 def scenarios(rank: int, world: int) -> dict:
     out = {}
     for name in MODELS:
@@ -94,6 +136,7 @@ def scenarios(rank: int, world: int) -> dict:
             out[name, "zeropp_module"] = train(rank, world, name,
                                                {**_config(gather_granularity="module", **ZEROPP), **nodes})
         out["in_place"] = in_place_write(rank, world)
+        out["watched_calls"] = watched_calls(rank, world)
     return out
 
 
@@ -154,3 +197,14 @@ def test_an_in_place_write_names_the_parameter_the_owner_and_the_reader():
     assert "owned by module 'inner'" in msg
     assert "'<root>'" in msg  # the root's forward wrote it
     assert "GatheredParameters" in msg
+
+
+def test_only_the_models_own_calls_go_through_the_watch():
+    """The engine's gathers, quantizers and reductions run unwatched (``param_use.unwatched``): under ZeRO++ they
+    made about 3x the model's own torch calls per step, each through the mode's Python check."""
+    torch.manual_seed(0)
+    model = MODELS["child_weight"]()
+    x, y = odd_batch(2, GB)
+    own = _pass_calls(lambda: model(x[:GB // 4], y[:GB // 4]).backward())
+    for rank, res in enumerate(results_for(4)):
+        assert 0 < res["watched_calls"] <= own, f"rank {rank}: {res['watched_calls']} watched, model makes {own}"
