@@ -23,7 +23,8 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "zeropp.cli", "bench", "--ledger-only", "--tiny", "--steps", "2", "--warmup", "1",
+    cmd = [sys.executable, "-m", "zeropp.cli", "bench", "--ledger-only", "--tiny", "--steps", "1",
+           "--steps-per-bandwidth", "loopback=2", "--warmup", "1",
            "--systems", ",".join(SYSTEMS), "--out", str(out), "--timeout", "100"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=out, env=env)
     assert proc.returncode == 0, \
@@ -42,6 +43,7 @@ def test_rows_have_fields_and_sane_values(bench: dict) -> None:
     result = bench["json"]
     assert result["meta"]["mode"].startswith("ledger-only")
     assert result["meta"]["bandwidths"] == ["loopback"]
+    assert result["meta"]["steps_at"] == {"loopback": 2}  # --steps-per-bandwidth over --steps 1
     assert [r["system"] for r in result["rows"]] == list(SYSTEMS)
     params = {r["parameters"] for r in result["rows"]}
     assert len(params) == 1 and params.pop() > 0  # same model everywhere
@@ -100,3 +102,16 @@ def test_report_files(bench: dict) -> None:
     for name in ("cluster_bench_step_time.png", "cluster_bench_bytes.png"):
         assert (out / name).stat().st_size > 0
     assert not (out / "tmp").exists() or not any((out / "tmp").glob("zpb*"))  # the run's work folder is removed
+
+
+@pytest.mark.parametrize("text, named", [("fast=3", "unknown bandwidth 'fast'"), ("unlimited=0", "'unlimited=0'"),
+                                         ("1gbit=x", "'1gbit=x'")])
+def test_steps_per_bandwidth_refuses_bad_items_by_name(text: str, named: str) -> None:
+    from zeropp.cluster_bench.run import parser, steps_per_phase
+
+    args = parser().parse_args(["--steps-per-bandwidth", text])
+    with pytest.raises(SystemExit, match="--steps-per-bandwidth") as err:
+        steps_per_phase(args, ["unlimited", "1gbit"])
+    assert named in str(err.value)
+    good = parser().parse_args(["--steps", "8", "--steps-per-bandwidth", "unlimited=32, 1gbit=24"])
+    assert steps_per_phase(good, ["unlimited", "1gbit", "100mbit"]) == {"unlimited": 32, "1gbit": 24, "100mbit": 8}

@@ -99,6 +99,12 @@ def _fmt(v: Optional[float], digits: int = 3) -> str:
     return f"{v:.{digits}f}"
 
 
+def steps_text(meta: dict[str, Any]) -> str:
+    """``8``, or ``8 (unlimited: 32, 1gbit: 32)`` when some bandwidths ran another count."""
+    other = {bw: n for bw, n in (meta.get("steps_at") or {}).items() if n != meta["steps"]}
+    return str(meta["steps"]) + (f" ({', '.join(f'{bw}: {n}' for bw, n in other.items())})" if other else "")
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows, meta = result["rows"], result["meta"]
     bws = meta["bandwidths"]
@@ -108,7 +114,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{meta.get('code_sha256_12', '-')} (the copy every rank imported)  ",
              f"Model: GPT {meta['parameters']:,} parameters ({meta['model']}), micro-batch {meta['micro_batch']} "
              f"x {meta['model']['block_size']} tokens per rank, bf16, AdamW, {meta['warmup']} warm-up + "
-             f"{meta['steps']} timed steps per bandwidth (training continues across bandwidths, same order for "
+             f"{steps_text(meta)} timed steps per bandwidth (training continues across bandwidths, same order for "
              "every system).  ", f"Links: {meta['links']}  ",
              f"Load average at start / end: {meta['load_start']} / {meta.get('load_end', '-')}", ""]
     lines += ["## Median step time (s)", "", "| system | " + " | ".join(bws) + " |",

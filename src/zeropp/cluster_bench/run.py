@@ -39,6 +39,9 @@ def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentPars
                    help="comma-separated subset of: " + ", ".join(SYSTEMS) + " (default: all; DeepSpeed rows are "
                    "skipped with a note when deepspeed is not importable)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per bandwidth (default: 8)")
+    p.add_argument("--steps-per-bandwidth", default="", metavar="BW=N,...",
+                   help="timed steps at the named bandwidths instead of --steps, the same for every system (e.g. "
+                   "unlimited=32,1gbit=32: fast steps are short and noisy, so take more of them)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before each bandwidth's timed steps")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
@@ -172,6 +175,7 @@ def build_spec(args: argparse.Namespace, phases: list[str], control_dir: str, wi
                                                  "n_head": args.n_head, "block_size": args.block_size}
     model["kind"] = args.model
     return {"model": model, "seed": args.seed, "phases": phases, "warmup": args.warmup, "steps": args.steps,
+            "steps_at": steps_per_phase(args, phases),
             "ranks_per_node": args.ranks_per_node, "control_dir": control_dir, "wire_counters": wire,
             "wait_timeout_s": args.timeout,
             "train": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "clip": 1.0,
@@ -205,6 +209,26 @@ def _select(text: str, known: dict[str, Any], what: str) -> list[str]:
     if bad:
         raise SystemExit(f"zeropp bench: unknown {what}: {', '.join(bad)}; known: {', '.join(known)}")
     return chosen
+
+
+def steps_per_phase(args: argparse.Namespace, phases: list[str]) -> dict[str, int]:
+    """Timed steps at each phase: ``--steps``, or the count ``--steps-per-bandwidth`` names for it."""
+    if args.steps < 1:
+        raise SystemExit(f"zeropp bench: --steps must be at least 1, got {args.steps}")
+    named: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in args.steps_per_bandwidth.split(","))):
+        bw, _, count = item.partition("=")
+        bw = bw.strip()
+        if bw not in BANDWIDTHS and bw != "loopback":
+            raise SystemExit(f"zeropp bench: --steps-per-bandwidth: unknown bandwidth {bw!r}; known: "
+                             f"{', '.join(BANDWIDTHS)}, loopback (--ledger-only)")
+        try:
+            named[bw] = int(count)
+        except ValueError:
+            named[bw] = 0
+        if named[bw] < 1:
+            raise SystemExit(f"zeropp bench: --steps-per-bandwidth: {item!r} needs a whole number of steps >= 1")
+    return {phase: named.get(phase, args.steps) for phase in phases}
 
 
 def run_system(cluster: Cluster, name: str, spec_path: str, work: str, env: dict[str, str], progress: Progress,
@@ -271,7 +295,8 @@ def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
         "command": argv_text, "date": datetime.date.today().isoformat(), "machine": machine(), "mode": mode,
         "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "bandwidths": phases, "systems": systems,
         "skipped": skipped, "model": spec["model"], "parameters": params, "micro_batch": args.micro_batch,
-        "warmup": args.warmup, "steps": args.steps, "train": spec["train"], "load_start": _load(),
+        "warmup": args.warmup, "steps": args.steps, "steps_at": spec["steps_at"], "train": spec["train"],
+        "load_start": _load(),
         "code_sha256_12": code_hash,
     }
     rows: list[dict[str, Any]] = []
@@ -292,8 +317,8 @@ def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
             else:
                 meta["links"] = "loopback only (ledger-only mode)"
             print(f"zeropp bench: GPT {params:,} parameters, {args.nodes} nodes x {args.ranks_per_node} ranks, "
-                  f"{mode}; bandwidths {', '.join(phases)}; {args.warmup} warm-up + {args.steps} timed steps each; "
-                  f"{len(systems)} systems. {meta['links']}.", flush=True)
+                  f"{mode}; bandwidths {', '.join(phases)}; {args.warmup} warm-up + {report.steps_text(meta)} "
+                  f"timed steps; {len(systems)} systems. {meta['links']}.", flush=True)
             for name in systems:
                 rows += run_system(cluster, name, spec_path, work, env, progress, args.timeout)
     finally:

@@ -97,7 +97,7 @@ class Run:
         before = read_link_counters() if spec["wire_counters"] and self.local_rank == 0 else None
         dist.barrier()
         times, losses, breakdowns = [], [], []
-        for i in range(spec["steps"]):
+        for i in range(spec.get("steps_at", {}).get(label, spec["steps"])):
             t0 = time.perf_counter()
             losses.append(self.train_step(sample_memory=False))
             breakdowns.append(self.system.time_report())
@@ -117,7 +117,7 @@ class Run:
             _write_json(os.path.join(control, f"row.{k}.json"), self.row(label, everyone))
 
     def row(self, label: str, everyone: list[dict[str, Any]]) -> dict[str, Any]:
-        steps = self.spec["steps"]
+        steps = len(everyone[0]["times"])
         step_times = [max(r["times"][i] for r in everyone) for i in range(steps)]
         losses = [sum(r["losses"][i] for r in everyone) / self.world for i in range(steps)]
         wire = None
