@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def predict(result: dict[str, Any], profile: Any) -> list[dict[str, Any]]:
         measured = row["median_step_s"]
         lines.append({
             "system": row["system"], "label": SYSTEMS[row["system"]][1], "bandwidth": row["bandwidth"],
-            "measured_s": measured, "predicted_s": pred.time.step_s,
+            "measured_s": measured, "predicted_s": pred.time.step_s, "step_times_s": row["step_times_s"],
             "error": pred.time.step_s / measured - 1, "spread": (max(row["step_times_s"]) - min(row["step_times_s"]))
             / measured, "cpu_bound_s": pred.time.cpu_bound_s, "replayed_s": pred.time.replayed_s,
             "links_only_s": link, "links_only_error": link / measured - 1 if link else None,
@@ -80,6 +81,16 @@ def predict(result: dict[str, Any], profile: Any) -> list[dict[str, Any]]:
             "measured_state_bytes": row["model_state_bytes_peak"].get("total"),
         })
     return lines
+
+
+def median_ratio_interval(a: list[float], b: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of ``median(a) / median(b)``, each sample resampled with replacement: whether one
+    run's steps can tell two systems apart. (The systems ran one after the other, so drift of the machine's
+    speed between them is not in the interval.)"""
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+                    for _ in range(draws))
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
 def winners(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,9 +101,12 @@ def winners(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fastest = min(x["predicted_s"] for x in here)  # the plan's ranking: ties within TIE go to less memory
         pred = min((x for x in here if x["predicted_s"] <= fastest * (1 + TIE)),
                    key=lambda x: (x["predicted_need_bytes"], sum(ZEROPP_SWITCHES[x["system"]]), x["predicted_s"]))
+        lo, hi = median_ratio_interval(pred["step_times_s"], meas["step_times_s"]) \
+            if "step_times_s" in pred and pred is not meas else (1.0, 1.0)
         out.append({"bandwidth": bw, "measured_winner": meas["system"], "predicted_winner": pred["system"],
                     "match": meas["system"] == pred["system"],
-                    "measured_gap": pred["measured_s"] / meas["measured_s"] - 1})
+                    "measured_gap": pred["measured_s"] / meas["measured_s"] - 1,
+                    "gap_interval_95": [lo - 1, hi - 1], "separated": lo > 1})
     return out
 
 
@@ -125,11 +139,14 @@ def markdown(report: dict[str, Any]) -> str:
         out += [f"Links only (compute and host work free), 200 and 100 Mbit/s rows: median |error| "
                 f"{s['links_only_median_abs_error_200_100']:.1%}, worst {s['links_only_worst_abs_error_200_100']:.1%}.",
                 ""]
-    out += ["| bandwidth | measured fastest | plan's pick | match | "
-            "pick's measured time over the fastest |", "|---|---|---|---|---|"]
+    out += ["| bandwidth | measured fastest | plan's pick | match | pick's measured time over the fastest "
+            "(95% bootstrap interval) | do this run's steps tell them apart? |", "|---|---|---|---|---|---|"]
     for w in report["winners"]:
+        lo, hi = w.get("gap_interval_95", [float("nan")] * 2)
+        gap = f"{w['measured_gap']:+.1%}" + ("" if w["match"] else f" ({lo:+.1%} to {hi:+.1%})")
+        apart = "-" if w["match"] else ("yes" if w.get("separated") else "no: the interval includes 0")
         out.append(f"| {w['bandwidth']} | {SYSTEMS[w['measured_winner']][1]} | {SYSTEMS[w['predicted_winner']][1]}"
-                   f" | {'yes' if w['match'] else '**no**'} | {w['measured_gap']:+.1%} |")
+                   f" | {'yes' if w['match'] else '**no**'} | {gap} | {apart} |")
     return "\n".join(out) + "\n"
 
 
