@@ -344,6 +344,31 @@ def test_fast_simd_body_bit_identical(bits):
     _check_simd_edges(bits)
 
 
+@needs_fast
+def test_fast_split_sums_fall_back_where_they_must():
+    """Note [split sums]: qgZ's middle step on int4 blocks of whole 128-element groups at even starts (2048, 128
+    and 256 here; the 1-element segment puts the last block at an odd start) equals the spec, including a block
+    whose sum overflows, one with a NaN piece and one whose sums are subnormal, which it leaves to the general
+    path."""
+    layout = BlockLayout((2048, 128, 512, 1, 256), 256)
+    x = torch.randn(6, layout.numel, generator=_gen(31)) * torch.logspace(-2, 2, layout.numel)
+    x[1, 100] = x[4, 100] = 3e38  # rows 1 of both pieces: the sum overflows in block 0
+    x[2, 2048:2176] *= 2.0**-140  # row 2: subnormal sums in the 128-element block
+    x[5, 2048:2176] *= 2.0**-140
+    q = spec.quantize(x, layout, 4)
+    finite = QuantizedRows(q.data[[0, 2, 3, 5]], q.scales[[0, 2, 3, 5]].clone())  # rows 0 and 2 of both pieces
+    q.scales[3, 9] = float("nan")  # piece 1, row 0: a poisoned block (the first 256 of the 512 segment)
+    for impl in (spec.dequantize_sum_quantize, fast.dequantize_sum_quantize):
+        with pytest.raises(NonFiniteInputError) as info:
+            impl(q, layout, 4, 2)
+        assert (info.value.row, info.value.segment) == (0, 2)
+    want = spec.dequantize_sum_quantize(q, layout, 4, 2, poison=True)
+    assert want.scales.isnan().nonzero().tolist() == [[0, 9], [1, 0]]
+    assert _rows_equal(fast.dequantize_sum_quantize(q, layout, 4, 2, poison=True), want)
+    assert _rows_equal(fast.dequantize_sum_quantize(finite, layout, 4, 2),
+                       spec.dequantize_sum_quantize(finite, layout, 4, 2))
+
+
 @pytest.mark.skipif(native.compiler() is None or os.environ.get("ZEROPP_QUANT_FAST") == "0",
                     reason="no C compiler, or the kernel turned off")
 def test_fast_kernel_builds_and_passes_its_self_test():
