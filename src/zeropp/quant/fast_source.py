@@ -312,6 +312,56 @@ static void sum_range(const job_t* j, int64_t r, int64_t b, int64_t s, int64_t e
     }
 }
 
+#if ZQ_SIMD
+/* The 16 products (n - 8) * sc of a block's int4 codes, one vmulps with the code as the first operand, as simd_sum
+   and the scalar loop compute each product. (A scalar loop over t here let gcc fold (t - 8) * sc for negative
+   constants into -(k * sc), which flips the sign of a NaN product: a poisoned block's NaNs came out negative.) */
+static inline __m512 product_table(float sc) {
+    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_mul_ps(codes, _mm512_set1_ps(sc));
+}
+
+/* qgZ's last step for an int4 block of whole 64-element groups at an even start: the products from the block's
+   16-entry table (Note [split sums]), the sums in element order straight into the output row, and the divisor
+   applied in the last piece's pass instead of a pass of its own. Per element the same products, additions and
+   final division (or multiply, see sum_worker) in the same order as sum_range + sum_worker. Returns 1 (nothing
+   written) for other blocks. */
+static int table_sum(const job_t* j, int64_t r, int64_t b, int64_t s, int64_t e, float* acc, int pow2,
+                     float inv) {
+    if (j->bits != 4 || (s & 1) || (e - s) % 64) return 1;
+    const int64_t n = e - s;
+    const __m256i m15 = _mm256_set1_epi8(15);
+    const __m512 vinv = _mm512_set1_ps(inv), vdiv = _mm512_set1_ps(j->divisor);
+    for (int64_t p = 0; p < j->pieces; p++) {
+        int64_t row = p * j->rows + r;
+        const uint8_t* d = j->data + row * j->payload + (s >> 1);
+        const __m512 table = product_table(j->scales[row * j->nb + b]);
+        const int divide = j->has_div && p == j->pieces - 1;
+#define ZQ_OUT(BYTES, OFF)                                                                           \
+        do {                                                                                         \
+            __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(BYTES), table);                    \
+            float* o = acc + k + (OFF);                                                              \
+            if (p) v = _mm512_add_ps(_mm512_loadu_ps(o), v);                                         \
+            if (divide) v = pow2 ? _mm512_mul_ps(v, vinv) : _mm512_div_ps(v, vdiv);                  \
+            _mm512_storeu_ps(o, v);                                                                  \
+        } while (0)
+        for (int64_t k = 0; k < n; k += 64) {
+            __m256i w = _mm256_loadu_si256((const __m256i*)(d + (k >> 1)));
+            __m256i lo = _mm256_and_si256(w, m15), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m15);
+            __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi); /* 0-15|32-47, 16-31|48-63 */
+            ZQ_OUT(_mm256_castsi256_si128(u0), 0);
+            ZQ_OUT(_mm256_castsi256_si128(u1), 16);
+            ZQ_OUT(_mm256_extracti128_si256(u0, 1), 32);
+            ZQ_OUT(_mm256_extracti128_si256(u1, 1), 48);
+        }
+#undef ZQ_OUT
+    }
+    return 0;
+}
+#else
+#define table_sum(j, r, b, s, e, acc, pow2, inv) 1
+#endif
+
 static void* sum_worker(void* p) {
     job_t* j = (job_t*)p;
     /* A divisor 2^k (the world size often is) becomes a multiply by 2^-k: both are one correct rounding of the
@@ -322,6 +372,7 @@ static void* sum_worker(void* p) {
     for (int64_t g = j->g0; g < j->g1; g++) {
         int64_t r = g / j->nb, b = g % j->nb, s = j->starts[b], e = j->starts[b + 1];
         float* acc = (float*)j->y + r * j->numel + s;
+        if (!table_sum(j, r, b, s, e, acc, pow2, inv)) continue;
         sum_range(j, r, b, s, e, acc);
         if (pow2)
             for (int64_t k = 0; k < e - s; k++) acc[k] = acc[k] * inv;
@@ -382,9 +433,7 @@ static int split_sum_quant(const job_t* j, int64_t r, int64_t b, int64_t s, int6
     for (int64_t p = 0; p < j->pieces; p++) {
         int64_t row = p * j->rows + r;
         const uint8_t* d = j->data + row * j->payload + (s >> 1);
-        float sc = j->scales[row * j->nb + b], tab[16];
-        for (int t = 0; t < 16; t++) tab[t] = (float)(t - 8) * sc;
-        const __m512 table = _mm512_loadu_ps(tab);
+        const __m512 table = product_table(j->scales[row * j->nb + b]);
         const int last = p == j->pieces - 1;
         for (int64_t k = 0; k < n; k += 32) {
             __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(d + (k >> 1))));
