@@ -20,7 +20,8 @@ qgZ's reduction steps (``dequantize_sum``, ``dequantize_sum_quantize``) sum the 
 spec's order (left to right, fp32, no FMA) while the running sums sit in L1; the fused step requantizes a
 block straight from those sums (one pass for blocks of up to 2048 elements) without writing them to memory.
 With AVX-512 an int4 block of whole 128-element groups at an even start keeps its sums in the (even, odd) order
-the code emission pairs them in and takes its products from a 16-entry table (Note [split sums]).
+the code emission pairs them in and takes its products from a 16-entry table (Note [split sums]); the last
+step takes them from the table too and divides in the last piece's pass.
 
 Rule for the functions here (``dispatch.py`` calls them for everything but CUDA tensors): the kernel runs for
 CPU tensors of float32 / bfloat16 / float16 when it built and passed its self-test; everything else (no C
