@@ -253,40 +253,61 @@ static void codes4(const uint8_t* dr, int64_t s, int64_t e, int8_t* c) {
 }
 
 #if ZQ_SIMD
+/* The 16 products (n - 8) * sc of a block's int4 codes, one vmulps with the code as the first operand, as the
+   scalar loop computes each product. (A scalar loop over t here let gcc fold (t - 8) * sc for negative
+   constants into -(k * sc), which flips the sign of a NaN product: a poisoned block's NaNs came out negative.) */
+static inline __m512 product_table(float sc) {
+    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_mul_ps(codes, _mm512_set1_ps(sc));
+}
+
+enum { POST_NONE = 0, POST_MUL = 1, POST_DIV = 2 };
+
 /* a[k] = (or +=) code k * sc for the leading elements of the n at row element c0 of payload row dr, 64 (int4)
-   or 16 (int8) at a time; returns how many it did (none from an odd int4 element). int4: 32 bytes split into
-   low and high nibbles and interleaved per 128-bit lane, then one sign extension to int32 per 16 codes (gcc's
-   loop takes two, int8 -> int16 -> int32, each a shuffle). The products and sums are the scalar loop's. */
-static int64_t simd_sum(const uint8_t* dr, int64_t c0, int64_t n, int bits, float sc, int first, float* a) {
-    const __m512 vs = _mm512_set1_ps(sc);
+   or 16 (int8) at a time, then (post) times or divided by q; returns how many it did (none from an odd int4
+   element). int4: 32 bytes split into low and high nibbles, interleaved per 128-bit lane into element order,
+   each 16 of them zero-extended to dwords that index the block's product table (vpermps reads only the low 4
+   bits: no sign extension, conversion or multiply). The products, sums and post operation are the scalar
+   loops'. */
+static int64_t simd_sum(const uint8_t* dr, int64_t c0, int64_t n, int bits, float sc, int first, float* a,
+                        int post, float q) {
+    const __m512 vq = _mm512_set1_ps(q);
     int64_t k = 0;
-#define ZQ_ACC(CODES, OFF)                                                                           \
+#define ZQ_PUT(V, OFF)                                                                               \
     do {                                                                                             \
-        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(CODES)), vs);               \
+        __m512 v = (V);                                                                              \
         float* o = a + k + (OFF);                                                                    \
-        _mm512_storeu_ps(o, first ? v : _mm512_add_ps(_mm512_loadu_ps(o), v));                       \
+        if (!first) v = _mm512_add_ps(_mm512_loadu_ps(o), v);                                        \
+        if (post) v = post == POST_MUL ? _mm512_mul_ps(v, vq) : _mm512_div_ps(v, vq);                \
+        _mm512_storeu_ps(o, v);                                                                      \
     } while (0)
     if (bits == 8) {
-        for (; k + 16 <= n; k += 16) ZQ_ACC(_mm_loadu_si128((const __m128i*)(dr + c0 + k)), 0);
+        const __m512 vs = _mm512_set1_ps(sc);
+        for (; k + 16 <= n; k += 16) {
+            __m128i codes = _mm_loadu_si128((const __m128i*)(dr + c0 + k));
+            ZQ_PUT(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), vs), 0);
+        }
         return k;
     }
     if (c0 & 1) return 0;
     const uint8_t* d = dr + (c0 >> 1);
-    const __m256i m15 = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+    const __m512 table = product_table(sc);
+    const __m256i m15 = _mm256_set1_epi8(15);
+#define ZQ_LOOK(BYTES) _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(BYTES), table)
     for (; k + 64 <= n; k += 64) {
-        __m256i b = _mm256_loadu_si256((const __m256i*)(d + (k >> 1)));
-        __m256i lo = _mm256_sub_epi8(_mm256_and_si256(b, m15), eight);
-        __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m15), eight);
+        __m256i w = _mm256_loadu_si256((const __m256i*)(d + (k >> 1)));
+        __m256i lo = _mm256_and_si256(w, m15), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m15);
         __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi); /* 0-15|32-47, 16-31|48-63 */
-        ZQ_ACC(_mm256_castsi256_si128(u0), 0);
-        ZQ_ACC(_mm256_castsi256_si128(u1), 16);
-        ZQ_ACC(_mm256_extracti128_si256(u0, 1), 32);
-        ZQ_ACC(_mm256_extracti128_si256(u1, 1), 48);
+        ZQ_PUT(ZQ_LOOK(_mm256_castsi256_si128(u0)), 0);
+        ZQ_PUT(ZQ_LOOK(_mm256_castsi256_si128(u1)), 16);
+        ZQ_PUT(ZQ_LOOK(_mm256_extracti128_si256(u0, 1)), 32);
+        ZQ_PUT(ZQ_LOOK(_mm256_extracti128_si256(u1, 1)), 48);
     }
-#undef ZQ_ACC
+#undef ZQ_LOOK
+#undef ZQ_PUT
     return k;
 }
-#define SIMD_SUM(dr, c0, n, bits, sc, first, a) simd_sum(dr, c0, n, bits, sc, first, a)
+#define SIMD_SUM(dr, c0, n, bits, sc, first, a) simd_sum(dr, c0, n, bits, sc, first, a, POST_NONE, 1.0f)
 #else
 #define SIMD_SUM(dr, c0, n, bits, sc, first, a) 0
 #endif
@@ -313,48 +334,19 @@ static void sum_range(const job_t* j, int64_t r, int64_t b, int64_t s, int64_t e
 }
 
 #if ZQ_SIMD
-/* The 16 products (n - 8) * sc of a block's int4 codes, one vmulps with the code as the first operand, as simd_sum
-   and the scalar loop compute each product. (A scalar loop over t here let gcc fold (t - 8) * sc for negative
-   constants into -(k * sc), which flips the sign of a NaN product: a poisoned block's NaNs came out negative.) */
-static inline __m512 product_table(float sc) {
-    const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm512_mul_ps(codes, _mm512_set1_ps(sc));
-}
-
-/* qgZ's last step for an int4 block of whole 64-element groups at an even start: the products from the block's
-   16-entry table (Note [split sums]), the sums in element order straight into the output row, and the divisor
-   applied in the last piece's pass instead of a pass of its own. Per element the same products, additions and
-   final division (or multiply, see sum_worker) in the same order as sum_range + sum_worker. Returns 1 (nothing
-   written) for other blocks. */
+/* qgZ's last step for an int4 block of whole 64-element groups at an even start: simd_sum over the whole block,
+   piece by piece, straight into the output row, the divisor applied in the last piece's pass (POST_MUL by
+   2^-k for a power of two, as sum_worker does) instead of a pass of its own. Per element the same products,
+   additions and final division in the same order as sum_range + sum_worker. Returns 1 (nothing written) for
+   other blocks. */
 static int table_sum(const job_t* j, int64_t r, int64_t b, int64_t s, int64_t e, float* acc, int pow2,
                      float inv) {
     if (j->bits != 4 || (s & 1) || (e - s) % 64) return 1;
-    const int64_t n = e - s;
-    const __m256i m15 = _mm256_set1_epi8(15);
-    const __m512 vinv = _mm512_set1_ps(inv), vdiv = _mm512_set1_ps(j->divisor);
     for (int64_t p = 0; p < j->pieces; p++) {
         int64_t row = p * j->rows + r;
-        const uint8_t* d = j->data + row * j->payload + (s >> 1);
-        const __m512 table = product_table(j->scales[row * j->nb + b]);
-        const int divide = j->has_div && p == j->pieces - 1;
-#define ZQ_OUT(BYTES, OFF)                                                                           \
-        do {                                                                                         \
-            __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(BYTES), table);                    \
-            float* o = acc + k + (OFF);                                                              \
-            if (p) v = _mm512_add_ps(_mm512_loadu_ps(o), v);                                         \
-            if (divide) v = pow2 ? _mm512_mul_ps(v, vinv) : _mm512_div_ps(v, vdiv);                  \
-            _mm512_storeu_ps(o, v);                                                                  \
-        } while (0)
-        for (int64_t k = 0; k < n; k += 64) {
-            __m256i w = _mm256_loadu_si256((const __m256i*)(d + (k >> 1)));
-            __m256i lo = _mm256_and_si256(w, m15), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m15);
-            __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi); /* 0-15|32-47, 16-31|48-63 */
-            ZQ_OUT(_mm256_castsi256_si128(u0), 0);
-            ZQ_OUT(_mm256_castsi256_si128(u1), 16);
-            ZQ_OUT(_mm256_extracti128_si256(u0, 1), 32);
-            ZQ_OUT(_mm256_extracti128_si256(u1, 1), 48);
-        }
-#undef ZQ_OUT
+        int post = j->has_div && p == j->pieces - 1 ? (pow2 ? POST_MUL : POST_DIV) : POST_NONE;
+        simd_sum(j->data + row * j->payload, s, e - s, 4, j->scales[row * j->nb + b], p == 0, acc, post,
+                 pow2 ? inv : j->divisor);
     }
     return 0;
 }
