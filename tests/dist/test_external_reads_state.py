@@ -1,9 +1,11 @@
 """The model that reads a child's weight (Note [external reads]) through the rest of stage 3: checkpoint save
 and bit-exact resume, optimizer offload to the host, parameters and optimizer on NVMe; GatheredParameters
 reading and changing a weight on one rank with hpZ on; register_external_parameter saving the first
-step's extra gather."""
+step's extra gather; reads of a released weight between the passes refused by name (Note [reads between
+passes]), and the weight penalty that works instead."""
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import tempfile
@@ -15,7 +17,10 @@ import torch.distributed as dist
 import zeropp
 from support.odd_models import ChildWeight, odd_batch
 from support.world import run_world
-from zeropp.zero import GatheredParameters, register_external_parameter
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from zeropp.zero import GatheredParameters, idle_watch, register_external_parameter
 from zeropp.zero.param_use import ParameterAccessError
 
 GB, STEPS = 8, 4
@@ -149,8 +154,94 @@ def state_dict_case(rank: int, world: int) -> dict:
     return out
 
 
+def _refused(call) -> str:  # noqa: ANN001
+    try:
+        call()
+    except ParameterAccessError as err:
+        return str(err)
+    return "no error"
+
+
+class _Counting(TorchFunctionMode):
+    """A user's own torch-function mode (as torch.device(...) and profilers are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def between_passes_case(rank: int, world: int) -> dict:
+    """Reads of released weights in the loss window and after a step: refused by name, nothing changed."""
+    m, out = GB // world, {}
+    x, y = odd_batch(0, GB)
+    user = _Counting()
+    with user:  # entered before initialize, left in the loss window: the watch must sit below it
+        model, engine = _engine(_config())
+        loss = engine(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m])
+    out["user_mode_saw_calls"] = user.calls > 0
+    out["stack_after_user_mode"] = torch._C._len_torch_function_stack()
+    out["loss window"] = _refused(lambda: loss + 1e-2 * sum(p.pow(2).sum() for p in model.parameters()))
+    engine.backward(loss)
+    engine.step()
+    ema = [torch.zeros(p.shape) for p in model.parameters()]
+    for what, call in (("norm", lambda: model.l1.weight.norm()),
+                       ("ema", lambda: [e.mul_(0.9).add_(p, alpha=0.1) for e, p in zip(ema, model.parameters())]),
+                       ("data", lambda: model.l2.weight.data.sum()),
+                       ("deepcopy", lambda: copy.deepcopy(model))):
+        out[what] = _refused(call)
+    out["metadata"] = (sum(p.numel() for p in model.parameters()), [tuple(p.shape) for p in model.parameters()],
+                       {str(p.device) for p in model.parameters()}, all(p.requires_grad for p in model.parameters()))
+    out["losses_after"] = [loss.item()] + _steps(engine, rank, world, range(1, 3))
+    engine.close()
+    out["installed_after_close"] = idle_watch.installed()
+    out["stack_after_close"] = torch._C._len_torch_function_stack()
+    _, plain = _engine(_config())
+    first = plain(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m])
+    plain.backward(first)
+    plain.step()
+    out["losses_plain"] = [first.item()] + _steps(plain, rank, world, range(1, 3))
+    plain.close()
+    return out
+
+
+class _Penalized(nn.Module):
+    """The way a weight penalty works at stage 3: inside a module's forward, where reads are served."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, y) + 0.05 * sum(p.pow(2).sum() for p in self.inner.parameters())
+
+
+def penalty_case(rank: int, world: int) -> dict:
+    """Stage 3 with the penalty in a wrapper's forward against stage 2 adding it in the loss window."""
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        inner = ChildWeight()
+        model = _Penalized(inner) if stage == 3 else inner
+        engine = zeropp.initialize(model=model, config={**_config(), "zero_optimization": {"stage": stage}})[0]
+        losses, m = [], GB // world
+        for step in range(3):
+            x, y = odd_batch(step, GB)
+            loss = engine(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m])
+            if stage == 2:
+                loss = loss + 0.05 * sum(p.pow(2).sum() for p in inner.parameters())
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[stage] = losses
+    return out
+
+
 def scenarios(rank: int, world: int, root: str) -> dict:
-    return {"state_dict": state_dict_case(rank, world), "direct": direct_call_case(rank, world), "ckpt": checkpoint_case(rank, world, os.path.join(root, "ckpt")),
+    return {"between": between_passes_case(rank, world), "penalty": penalty_case(rank, world), "state_dict": state_dict_case(rank, world), "direct": direct_call_case(rank, world), "ckpt": checkpoint_case(rank, world, os.path.join(root, "ckpt")),
             "offload": offload_case(rank, world, os.path.join(root, "nvme")),
             "gathered": gathered_case(rank, world), "external": external_case(rank, world)}
 
@@ -167,6 +258,34 @@ def test_calling_the_model_directly_serves_the_parent_read_too():
         assert d["direct"] == d["engine"] == d["trained"]
         assert d["all_sharded"]
         assert d["spans"] == ["emb"]  # only the parent's read of the embedding
+
+
+def test_reads_of_released_weights_between_passes_are_refused_by_name():
+    for res in results():
+        b = res["between"]
+        for what, call in (("loss window", "'pow'"), ("norm", "'norm'"), ("ema", "'add_'"), ("data", "'data'"),
+                           ("deepcopy", "'data'")):
+            assert "of a stage-3 model was read by " + call in b[what], (what, b[what])
+            assert "GatheredParameters" in b[what] and "parameter '" in b[what]
+        assert "'l1.weight'" in b["norm"] and "'l2.weight'" in b["data"]
+        n = sum(p.numel() for p in ChildWeight().parameters())
+        assert b["metadata"] == (n, [tuple(p.shape) for p in ChildWeight().parameters()], {"cpu"}, True)
+        assert b["losses_after"] == b["losses_plain"]  # the refused reads changed nothing
+
+
+def test_a_weight_penalty_inside_a_wrappers_forward_trains_as_at_stage_2():
+    for res in results():
+        p = res["penalty"]
+        # steps 2 and 3 differ (by 1e-3 and more) if the penalty's gradient does not reach the weights
+        assert p[3] == pytest.approx(p[2], rel=1e-5), p
+
+
+def test_the_watch_sits_below_a_users_mode_and_leaves_with_the_engine():
+    for res in results():
+        b = res["between"]
+        assert b["user_mode_saw_calls"]
+        assert b["stack_after_user_mode"] == 1  # the user's mode left the stack; the watch stayed
+        assert not b["installed_after_close"] and b["stack_after_close"] == 0
 
 
 def test_state_dict_between_steps_is_refused_by_name_and_works_when_gathered():

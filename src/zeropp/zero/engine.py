@@ -46,6 +46,7 @@ from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, memory_report, model_state_bytes, weight_storages
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder, CollectiveOrderError
+from zeropp.zero import idle_watch
 from zeropp.zero.param_use import ParamUse, unwatched
 from zeropp.zero.timing import StepTimer, format_time_report
 
@@ -486,6 +487,7 @@ class ZeroEngine(DeepSpeedSurface):
             finally:
                 self._finish_backward()
 
+    @unwatched
     def _finish_backward(self) -> None:
         self.buckets.finish()
         if self.plan.shards_weights:
@@ -515,6 +517,7 @@ class ZeroEngine(DeepSpeedSurface):
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.policy.gradient_accumulation_steps == 0
 
+    @unwatched  # the engine's own work: no torch-function mode need see the optimizer's calls
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, step the optimizer on the master shards."""
         boundary = self.is_gradient_accumulation_boundary()
@@ -787,7 +790,10 @@ class ZeroEngine(DeepSpeedSurface):
                 "buffer_peak_bytes": r.resident_peak(), "files": r.files()}
 
     def close(self) -> None:
-        """Wait for a delayed update and delete the NVMe offload files (also done at interpreter exit)."""
+        """Wait for a delayed update, delete the NVMe offload files (also done at interpreter exit) and stop
+        watching reads of the partitioned weights between passes (Note [reads between passes])."""
         self.join_update()
         self.residency.close()
+        if self.use is not None:
+            idle_watch.unwatch(self.use)
 

@@ -36,8 +36,9 @@ Note [partitioned state dicts]: outside the passes a released parameter keeps it
 only when loaded), reading their values crashes the process, and ``load_state_dict`` would write into
 nothing. State-dict hooks on every module that holds parameters turn the first two of these into a
 :class:`ParameterAccessError` that names the parameters and the calls that do work; ``keep_vars=True``
-(the parameters themselves, for their names and shapes) is allowed. A plain read such as ``w.sum()``
-outside the passes is not seen (that would need a torch-function mode left on for good).
+(the parameters themselves, for their names and shapes) is allowed. Any other read outside the passes
+(``w.sum()``, an EMA, ``copy.deepcopy``) is refused by name too: Note [reads between passes] in
+``idle_watch.py``.
 
 ``register_external_parameter(module, param)`` declares a read in advance (DeepSpeed's API): the unit is
 gathered for ``module``'s forward, even on the first step and on paths no earlier step took.
@@ -57,6 +58,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zeropp.partition.unit import ParamSlot, Unit, UnitState
+from zeropp.zero import idle_watch
 
 log = logging.getLogger("zeropp")
 
@@ -71,6 +73,8 @@ _METADATA = frozenset({
     "get_device", "__len__", "__hash__", "requires_grad_", "retain_grad", "register_hook",
     "register_post_accumulate_grad_hook", "_backward_hooks", "_post_accumulate_grad_hooks",
 })
+# calls that read where a parameter's storage is, not its elements: harmless on a released one
+_STORAGE_INFO = frozenset({"untyped_storage", "data_ptr", "storage_offset", "is_pinned", "is_shared"})
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__",
                               "__set__"})
 
@@ -115,10 +119,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def unwatched(fn: F) -> F:
-    """Run ``fn`` (the engine's own work inside a pass: gathers, releases, gradient reductions) with
-    torch-function handling off. The watch is for the model's code; the engine's gathers and quantizers make
-    thousands of torch calls per step (views, copies, ``data_ptr``) that would each go through the mode's Python
-    check for nothing: 2,500 calls per step under ZeRO++ on the bench's 2 x 2 GPT, 860 under ZeRO-3."""
+    """Run ``fn`` (the engine's own work: gathers, releases, gradient reductions, the optimizer step) with
+    torch-function handling off. The watches (this module's inside the passes, ``idle_watch``'s between them)
+    are for the user's code; the engine's gathers and quantizers make thousands of torch calls per step (views,
+    copies, ``data_ptr``) that would each go through a mode's Python check for nothing: 2,500 calls per step
+    under ZeRO++ on the bench's 2 x 2 GPT, 860 under ZeRO-3."""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         with torch._C.DisableTorchFunction():
@@ -173,9 +178,9 @@ class ParamUse:
             mod.register_forward_pre_hook(self._enter, prepend=True)
             mod.register_forward_hook(self._exit, always_call=True)
             if any(True for _ in mod.parameters(recurse=False)):
-                # a function, not the bound method: torch marks the hook with an attribute
-                mod.register_state_dict_post_hook(lambda *a: self._state_dict_read(*a))
+                mod.register_state_dict_pre_hook(self._state_dict_read)
                 mod.register_load_state_dict_pre_hook(self._state_dict_write)
+        idle_watch.watch(self)  # Note [reads between passes]
 
     # ---- the model's forward and backward run inside this -----------------------------------------------
     @contextlib.contextmanager
@@ -209,18 +214,19 @@ class ParamUse:
         return saved
 
     # ---- state dicts (Note [partitioned state dicts]) -------------------------------------------------------
-    def _released(self, module: nn.Module, prefix: str, keys: Any) -> dict[str, str]:
-        """The keys of ``module``'s released parameters among ``keys``, with their names in the model."""
+    def _released(self, module: nn.Module, prefix: str, keys: Any = None) -> dict[str, str]:
+        """The keys of ``module``'s released parameters (among ``keys`` if given), with their names in the
+        model."""
         out = {}
         for pname, p in module.named_parameters(recurse=False):
             hit = self._slot.get(id(p))
-            if hit is not None and hit[0].state is UnitState.SHARDED and prefix + pname in keys:
+            if hit is not None and hit[0].state is UnitState.SHARDED and (keys is None or prefix + pname in keys):
                 out[prefix + pname] = hit[1].name
         return out
 
-    def _state_dict_read(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        names = [name for key, name in self._released(module, prefix, state_dict).items()
-                 if not isinstance(state_dict[key], nn.Parameter)]  # keep_vars=True hands out the parameters
+    def _state_dict_read(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        # a pre-hook: refused before state_dict detaches anything (keep_vars=True hands out the parameters)
+        names = [] if keep_vars else list(self._released(module, prefix).values())
         if names:
             raise ParameterAccessError(
                 f"state_dict() of a stage-3 model read {names} while they are partitioned (released between "
@@ -321,6 +327,36 @@ class ParamUse:
                 self._release(unit)
         for t in inputs:
             t.register_hook(done)
+
+    # ---- between the passes (Note [reads between passes] in idle_watch.py) --------------------------------
+    def check_idle(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Outside the passes: refuse a call that would read a released parameter's elements."""
+        if self._active:
+            return
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                for b in a:
+                    self._check_idle_arg(func, b)
+            else:
+                self._check_idle_arg(func, a)
+        for v in kwargs.values():
+            self._check_idle_arg(func, v)
+
+    def _check_idle_arg(self, func: Any, a: Any) -> None:
+        hit = self._slot.get(id(a))
+        if hit is None or hit[0].state is not UnitState.SHARDED:
+            return
+        name = _call_name(func)
+        if name in _METADATA or name in _STORAGE_INFO:
+            return
+        unit, slot = hit
+        raise ParameterAccessError(
+            f"parameter {slot.name!r} (module {unit.module_name or '<root>'!r}) of a stage-3 model was read by "
+            f"{name!r} outside the engine's forward and backward, where it is partitioned: this rank holds "
+            "only its shard, and the read would crash the process. Read weights inside a module's forward run "
+            "by the engine (a weight penalty in a wrapper module's forward is gathered and differentiated), or "
+            "within zeropp.zero.GatheredParameters(params) entered on every rank; for the full weights use "
+            "engine.consolidated_state_dict() (on every rank) or engine.save_16bit_model(dir)")
 
     # ---- the torch-function check ------------------------------------------------------------------------
     def check_call(self, func: Any, args: tuple, kwargs: dict) -> None:

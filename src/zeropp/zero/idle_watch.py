@@ -1,0 +1,94 @@
+"""Stage 3: a clear error, not a crash, when a partitioned parameter is read between the engine's passes.
+
+Note [reads between passes]: between the engine's forward and backward (where the loss is computed), and
+between a step and the next forward (logging, an EMA of the weights, ``copy.deepcopy(model)``), a stage-3
+parameter keeps its shape but has no storage: its unit is released. A torch op that reads its elements
+would read through a null pointer and kill the process with a segmentation fault, no message, no traceback.
+Serving such reads by gathering there and then (as Note [external reads] does inside the passes) would be
+wrong here: a read made on one rank only (``if rank == 0: print(w.norm())``) would issue a collective the
+other ranks never join and hang the job. So they are refused, by name, with the calls that do work.
+
+One ``TorchFunctionMode`` per thread that built a stage-3 engine sits at the *bottom* of torch's
+function-mode stack (put there under any modes already on it) for as long as an engine that watches is
+alive. At the bottom, the ``with`` blocks of other modes (``torch.device``, profilers) entered before or
+after it push and pop above it in their own order, whenever the engine's passes begin or end. During a
+pass the engine's own watch (:class:`~zeropp.zero.param_use.ParamUse`) sits above it and serves reads; the
+engine's own work runs with torch-function handling off (``unwatched``). The check costs one Python call
+per torch call made outside the passes; :meth:`ZeroEngine.close` takes the mode off the stack once no
+engine needs it.
+
+What is still not seen: ops on an alias made before the release (``d = w.detach()`` inside a forward,
+read after it), and reads from threads other than the one that built the engine (the mode stack is
+per thread).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Optional, Protocol
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class _Watcher(Protocol):
+    def check_idle(self, func: Any, args: tuple, kwargs: dict) -> None: ...
+
+
+_LOCK = threading.Lock()
+_WATCHERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class _IdleMode(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if _WATCHERS:
+            for watcher in tuple(_WATCHERS):
+                watcher.check_idle(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+_MODE = threading.local()  # .mode: this thread's _IdleMode, once installed
+
+
+def _stack() -> list[Any]:
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+def _restack(modes: list[Any]) -> None:
+    """Replace this thread's torch-function mode stack with ``modes`` (bottom first)."""
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    for mode in modes:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def watch(watcher: _Watcher) -> None:
+    """Check ``watcher``'s parameters on every torch call of this thread from now on (outside its passes:
+    ``watcher.check_idle`` decides); installs the bottom mode if this thread has none."""
+    with _LOCK:
+        _WATCHERS.add(watcher)
+    mode = getattr(_MODE, "mode", None)
+    stack = _stack()
+    if mode is not None and any(m is mode for m in stack):
+        return
+    mode = _MODE.mode = _IdleMode()
+    _restack([mode, *stack])
+
+
+def unwatch(watcher: _Watcher) -> None:
+    """Stop checking ``watcher``; with no watcher left, take this thread's mode off the stack."""
+    with _LOCK:
+        _WATCHERS.discard(watcher)
+        left = len(_WATCHERS)
+    mode = getattr(_MODE, "mode", None)
+    if left or mode is None:
+        return
+    _restack([m for m in _stack() if m is not mode])
+    _MODE.mode = None
+
+
+def installed() -> bool:
+    """Whether this thread's torch-function mode stack holds the watch (for tests)."""
+    mode = getattr(_MODE, "mode", None)
+    return mode is not None and any(m is mode for m in _stack())
