@@ -6,8 +6,11 @@ Format (one row; G rows share a ``BlockLayout`` and are independent, so callers 
 evenly across ranks for all-to-all / all-gather):
 
 * per block: ``absmax = max |x|``; fp32 ``scale = absmax / qmax`` (qmax 127 for int8, 7 for int4, 1 for int2);
-  ``q = clamp(round_half_to_even(x / scale), -qmax, qmax)`` computed in fp32 (a true division, never
-  ``x * (1 / scale)``, which differs in the last bit for some inputs). An all-zero block has scale 0 and q 0.
+  ``q = round_half_to_even(x * r)`` with the block's reciprocal ``r = 1 / scale`` (an fp32 division once per
+  block, then one fp32 product per element), computed in fp32. An all-zero block has scale 0 and q 0. A
+  block whose scale is subnormal (absmax below about 1e-37) uses ``q = clamp(round_half_to_even(x / scale),
+  -qmax, qmax)`` (a true division per element) instead: there ``1 / scale`` may overflow and the scale has
+  lost precision. Note [reciprocal codes] says why a product, and why it needs no clamp.
 * int8: q as its two's-complement byte, stored in a uint8 tensor (so it can travel on gloo as uint8).
 * int4: ``q + 8`` in a nibble, two per byte, element 2k in the low nibble and 2k+1 in the high nibble; when
   numel is odd the row ends with one zero nibble of padding.
@@ -185,6 +188,21 @@ def _unpack(data: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     return nib.to(torch.int8) - 8
 
 
+_FLT_MIN = 2.0 ** -126  # the smallest normal fp32
+
+# Note [reciprocal codes]: the codes are ``x * (1 / scale)``, not ``x / scale``: a division per element cost a
+# quarter of the CPU kernel's quantize and a fifth of qgZ's fused middle step, where a product costs what an
+# addition does; every implementation rounds the one reciprocal per block and each product the same way
+# (IEEE fp32, no fused multiply-add), so they agree bit for bit as they did on the division. The two differ in
+# the last bit of the ratio for some inputs, so a code differs (by one) only where the exact ratio lies within
+# about 2^-23 of a half-integer; the rounding error of either is far below the quantization step. No clamp is
+# needed for a normal scale: scale = absmax / qmax (1 + e1) and r = 1 / scale (1 + e2) with |e1|, |e2| <= 2^-24,
+# so every |x| <= absmax gives |x * r| <= qmax (1 + 2^-22) (another 2^-24 for the product's rounding), which
+# rounds to at most qmax (int2's r is subnormal above absmax 2^126, with |e2| <= 2^-21: still far below the
+# 1 / (2 qmax) that would matter). A subnormal scale (absmax below about 1e-37: gradients that are zero in all but name)
+# can be far from absmax / qmax, so those blocks keep the clamped division.
+
+
 def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows | None = None, *,
              poison: bool = False) -> QuantizedRows:
     """Block-wise symmetric abs-max quantization of the rows of ``x``.
@@ -217,10 +235,13 @@ def quantize(x: torch.Tensor, layout: BlockLayout, bits: int, out: QuantizedRows
     if any_bad:  # poison: quantize the finite part, then mark the block
         blocks = torch.where(torch.isfinite(blocks), blocks, torch.zeros((), dtype=blocks.dtype))
         absmax = blocks.abs().amax(dim=-1)
-    # True tensor divisions throughout (a scalar divisor may become a reciprocal multiply on some backends).
+    # Tensor operands throughout (a scalar divisor may become a reciprocal multiply on some backends).
     scales = absmax / torch.full_like(absmax, qmax)
-    divisor = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero block: 0 / 1 = 0
-    codes = torch.round(blocks / divisor.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
+    divisor = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero block: 0 * 1 = 0
+    recip = torch.ones_like(divisor) / divisor
+    normal = (divisor >= _FLT_MIN).unsqueeze(-1)  # Note [reciprocal codes]
+    ratio = torch.where(normal, blocks * recip.unsqueeze(-1), blocks / divisor.unsqueeze(-1))
+    codes = torch.round(ratio).clamp_(-qmax, qmax).to(torch.int8)
     if any_bad:
         scales = scales.masked_fill(bad, float("nan"))
     data = _pack(_from_blocks(codes, layout), bits)

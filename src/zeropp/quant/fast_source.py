@@ -24,27 +24,31 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 #define CH 2048 /* int4 staging chunk, even */
 
 """ + native.C_FLOAT_BITS + r"""
+/* The code of a block with a subnormal scale: a true division, round half to even, clamped. */
 static inline int8_t qcode(float v, float div, float qmax) {
-    float t = rintf(v / div); /* true division, round half to even */
+    float t = rintf(v / div);
     t = t < -qmax ? -qmax : t;
     t = t > qmax ? qmax : t;
     return (int8_t)(int32_t)t;
 }
 
-/* Note [clamp-free codes]: when div is normal the clamp in qcode never acts, so the hot loops leave it out
-   (it cost about a fifth of quantize). div = RN(m / qmax) for the block's largest finite |x| = m, within a
-   relative 2^-24 of m / qmax when normal, so every |x| <= m gives |x / div| <= qmax (1 + 2^-23) and
-   rintf(RN(x / div)) lies in [-qmax, qmax]. A subnormal div (m below about 1e-37) can be far off m / qmax, and
-   there the clamp stays. div = 1 (an all-zero block) is normal too. */
+/* Note [clamp-free codes]: for a normal div (the block's scale, or 1 for an all-zero block) the spec's code is
+   rintf(x * inv) with inv = RN(1 / div) (Note [reciprocal codes] in blockwise.py), which never leaves
+   [-qmax, qmax], so the hot loops have neither the division nor the clamp (the clamp cost about a fifth of
+   quantize, the division a quarter). A subnormal div (m below about 1e-37) keeps qcode. */
 static inline int clamp_free(float div) { return div >= 0x1p-126f; }
+static inline float recip(float div) { return 1.0f / div; }
+static inline int8_t code1(float v, float div, float qmax) {
+    return clamp_free(div) ? (int8_t)(int32_t)rintf(v * recip(div)) : qcode(v, div, qmax);
+}
 
-/* Codes of n consecutive elements. (A reciprocal multiply with an exact fallback near rounding boundaries was
-   tried, scalar and with AVX-512: bit-identical but no faster here than the vectorized division.) */
+/* Codes of n consecutive elements. */
 #define DEFINE_CODES(SUF, T, LOADF)                                                                  \
 static void codes_##SUF(const T* x, int64_t n, float div, float qmax, int8_t* out) {                 \
-    if (clamp_free(div))                                                                             \
-        for (int64_t k = 0; k < n; k++) out[k] = (int8_t)(int32_t)rintf(LOADF(x[k]) / div);          \
-    else                                                                                             \
+    if (clamp_free(div)) {                                                                           \
+        const float inv = recip(div);                                                                \
+        for (int64_t k = 0; k < n; k++) out[k] = (int8_t)(int32_t)rintf(LOADF(x[k]) * inv);          \
+    } else                                                                                           \
         for (int64_t k = 0; k < n; k++) out[k] = qcode(LOADF(x[k]), div, qmax);                      \
 }
 
@@ -53,11 +57,11 @@ static void codes_##SUF(const T* x, int64_t n, float div, float qmax, int8_t* ou
    dword of 32 loaded bits holds an (even, odd) element pair, so the even and odd elements come out as two fp32
    vectors and their codes combine in place into the pair's byte, (c_even + 8) | (c_odd + 8) << 4; four such
    vectors narrow with two in-lane packs and one dword permute. Rounding: vcvtps2dq with round-to-nearest-even,
-   as rintf; the division is IEEE. Clamp-free only (Note [clamp-free codes]). */
-static inline __m512i vpair4(__m512 ev, __m512 od, __m512 vd) {
+   as rintf, of the IEEE products with vi = the block's reciprocal. Clamp-free only (Note [clamp-free codes]). */
+static inline __m512i vpair4(__m512 ev, __m512 od, __m512 vi) {
     const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    __m512i ce = _mm512_cvt_roundps_epi32(_mm512_div_ps(ev, vd), rne);
-    __m512i co = _mm512_cvt_roundps_epi32(_mm512_div_ps(od, vd), rne);
+    __m512i ce = _mm512_cvt_roundps_epi32(_mm512_mul_ps(ev, vi), rne);
+    __m512i co = _mm512_cvt_roundps_epi32(_mm512_mul_ps(od, vi), rne);
     const __m512i eight = _mm512_set1_epi32(8);
     return _mm512_or_si512(_mm512_add_epi32(ce, eight), _mm512_slli_epi32(_mm512_add_epi32(co, eight), 4));
 }
@@ -83,7 +87,7 @@ static inline __m512i vf32_pairs(const float* x, __m512 vd) {
 #define DEFINE_SIMD4(SUF, T, PAIRS)                                                                  \
 static int64_t simd4_##SUF(const T* xb, int64_t s, int64_t i, int64_t e, float div, uint8_t* dr) {   \
     if (!clamp_free(div)) return i;                                                                  \
-    __m512 vd = _mm512_set1_ps(div);                                                                 \
+    __m512 vd = _mm512_set1_ps(recip(div));                                                          \
     for (; i + 128 <= e; i += 128) {                                                                 \
         const T* x = xb + (i - s);                                                                   \
         vstore64(PAIRS(x, vd), PAIRS(x + 32, vd), PAIRS(x + 64, vd), PAIRS(x + 96, vd), dr + (i >> 1));\
@@ -111,7 +115,7 @@ static void emit_##SUF(const T* xb, int64_t s, int64_t e, int bits, float div, f
     }                                                                                                \
     int64_t i = s;                                                                                   \
     if (i & 1) { /* high nibble of a byte whose low nibble the previous block (or chunk) wrote */    \
-        dr[i >> 1] |= (uint8_t)((qcode(LOADF(xb[0]), div, qmax) + 8) << 4);                         \
+        dr[i >> 1] |= (uint8_t)((code1(LOADF(xb[0]), div, qmax) + 8) << 4);                         \
         i++;                                                                                         \
     }                                                                                                \
     SIMD4_##SUF /* i is even from here */                                                            \
@@ -450,7 +454,7 @@ static int split_sum_quant(const job_t* j, int64_t r, int64_t b, int64_t s, int6
     if (!clamp_free(div)) return 1;
     j->out_scales[r * j->nb + b] = scale;
     uint8_t* dr = j->out_data + r * j->out_payload + (s >> 1);
-    __m512 vd = _mm512_set1_ps(div);
+    __m512 vd = _mm512_set1_ps(recip(div));
     for (int64_t k = 0; k < n; k += 128) {
         const float* t = tmp + k;
         vstore64(vpair4(_mm512_loadu_ps(t), _mm512_loadu_ps(t + 16), vd),

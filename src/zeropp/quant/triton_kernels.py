@@ -112,8 +112,10 @@ def _block_absmax(src, src_scales, row, blk, s, e, numel, payload_in, nb, rows, 
 
 @triton.jit
 def _codes(v, fin, div, QMAX: tl.constexpr):
-    """``clamp(round_half_even(v / div), -QMAX, QMAX)`` as int32, with non-finite ``v`` taken as 0."""
-    t = tl.div_rn(tl.where(fin, v, 0.0), div)
+    """``clamp(round_half_even(v * (1 / div)), -QMAX, QMAX)`` as int32, with non-finite ``v`` taken as 0; the
+    clamped ``v / div`` where ``div`` is subnormal (Note [reciprocal codes] in ``blockwise.py``)."""
+    w = tl.where(fin, v, 0.0)
+    t = tl.where(div >= 1.1754943508222875e-38, w * tl.div_rn(1.0, div), tl.div_rn(w, div))  # 2^-126
     # Clamping first is the same as clamping after (QMAX is an integer) and keeps |t| small.
     t = tl.minimum(tl.maximum(t, -QMAX * 1.0), QMAX * 1.0)
     i = t.to(tl.int32)  # toward zero
