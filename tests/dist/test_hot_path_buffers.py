@@ -95,6 +95,9 @@ class _Watched:
     def on_release(self, unit: Any) -> None:
         self._call("on_release", unit)
 
+    def settle(self) -> None:
+        self._call("settle")
+
     def held_tensors(self) -> list:
         return self.inner.held_tensors()
 

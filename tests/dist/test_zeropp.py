@@ -61,6 +61,7 @@ def training_results(rank: int, world: int) -> dict:
     out["stale"] = stale_slice_case(rank, world)
     out["mixed"] = mixed_scales_case(rank, world)
     out["nan_weight"] = nan_weight_case(rank, world)
+    out["nan_weight_deferred"] = nan_weight_case(rank, world, defer=True)
     out["nan_grad"] = nan_grad_case(rank, world)
     return out
 
@@ -103,9 +104,14 @@ def mixed_scales_case(rank: int, world: int) -> dict:
     return {"exact": exact, "seen": seen}
 
 
-def nan_weight_case(rank: int, world: int) -> str:
+def nan_weight_case(rank: int, world: int, defer: bool | None = None) -> dict:
+    """A corrupted shard under qwZ; ``defer``: checked once per pass, as on CUDA (Note [deferred weight
+    checks]), instead of at the unit's gather."""
     torch.manual_seed(0)
     engine, *_ = zeropp.initialize(model=TiedNet(), config={**config(GB, zero_quantized_weights=True), **BF16})
+    engine.strategies.forward_gather.checks.defer = defer
+    ended: list[bool] = []
+    engine.module.register_forward_hook(lambda *_: ended.append(True))  # the model's forward ran to its end
     if rank == 1:  # corrupt one rank's shard of one parameter behind the engine's back
         unit = next(u for u in engine.units if u.module_name == "up")
         unit.master[0] = float("nan")
@@ -114,8 +120,8 @@ def nan_weight_case(rank: int, world: int) -> str:
     try:
         engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
     except FloatingPointError as err:
-        return str(err)
-    return "no error"
+        return {"error": str(err), "forward_ended": bool(ended)}
+    return {"error": "no error", "forward_ended": bool(ended)}
 
 
 def nan_grad_case(rank: int, world: int) -> dict:
@@ -306,7 +312,14 @@ def test_quantization_blocks_never_straddle_parameters():
 
 def test_non_finite_weight_under_qwz_is_named_on_every_rank():
     for res in training():
-        assert "'up.weight'" in res["nan_weight"] and "rank 1" in res["nan_weight"], res["nan_weight"]
+        assert "'up.weight'" in res["nan_weight"]["error"] and "rank 1" in res["nan_weight"]["error"], res
+        assert not res["nan_weight"]["forward_ended"]  # on the CPU: raised at the unit's gather
+
+
+def test_deferred_weight_checks_raise_the_same_error_once_the_forward_ends():
+    for res in training():
+        assert res["nan_weight_deferred"]["error"] == res["nan_weight"]["error"]
+        assert res["nan_weight_deferred"]["forward_ended"]  # one check per pass, after the model's forward
 
 
 def test_non_finite_gradient_under_qgz_skips_the_step_everywhere():

@@ -177,6 +177,9 @@ class AllGather:
     def on_release(self, unit: Unit) -> None:
         pass
 
+    def settle(self) -> None:
+        pass
+
     def held_tensors(self) -> list[torch.Tensor]:
         return []
 

@@ -35,7 +35,7 @@ from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather
 from zeropp.partition.unit import FrozenUnit, Unit
 from zeropp.plus.hpz import SecondaryStore
-from zeropp.plus.qwz import PendingQuantized
+from zeropp.plus.qwz import PendingQuantized, WeightChecks
 from zeropp.plus.wire import WireFormat, decode_rows, encode_rows
 from zeropp.quant import BlockLayout
 from zeropp.topology import Group
@@ -136,6 +136,7 @@ class FrozenGather:
         self.hpz = hpz if hpz is not None and hpz.size > 1 else None
         self.store = SecondaryStore()  # its rows are int8 wire rows here, W / s of them per unit
         self.pools = BufferPools("frozen", "recv", "hop1", "out", "scales")
+        self.checks = WeightChecks()  # Note [deferred weight checks] in qwz.py
 
     def start(self, unit: Unit, phase: Phase) -> PendingGather:
         if not isinstance(unit, QuantizedFrozenUnit):
@@ -150,7 +151,7 @@ class FrozenGather:
             arrival = self.world.start(unit.qrow, self.pools["recv"], self.pools["hop1"], phase)
             if self.hpz is not None:
                 keep = functools.partial(self._keep, unit.index, unit.version)
-        return PendingQuantized(self.pools, unit.fmt, None, arrival, unit, keep)
+        return PendingQuantized(self.pools, unit.fmt, None, arrival, unit, self.checks, keep)
 
     def two_hop(self, unit: Unit) -> bool:
         return not (self.hpz is not None and self.store.is_current(unit)) and self.world.two_hop
@@ -164,6 +165,9 @@ class FrozenGather:
 
     def on_release(self, unit: Unit) -> None:
         pass
+
+    def settle(self) -> None:
+        self.checks.settle()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.store.rows.values())
@@ -195,6 +199,10 @@ class FrozenApart:
 
     def on_release(self, unit: Unit) -> None:
         self._pick(unit).on_release(unit)
+
+    def settle(self) -> None:
+        self.trainable.settle()
+        self.frozen.settle()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return self.trainable.held_tensors() + self.frozen.held_tensors()

@@ -8,7 +8,7 @@ the engine hands back (``recycle``) once it copied the weights out (Note [buffer
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -31,6 +31,55 @@ class NonFiniteWeightError(FloatingPointError):
     """
 
 
+class WeightChecks:
+    """Whether the rows a qwZ gather decoded hold a poisoned block (a shard with inf/nan).
+
+    Note [deferred weight checks]: telling whether any decoded scale is NaN takes the answer to the host. On
+    the CPU that costs nothing, and the gather raises at once. On CUDA it would wait for the device once per
+    unit and stall the stream of gathers, so there each gather only records, on the device, the first bad
+    block of its rows, and the engine calls :meth:`settle` once at the end of each forward and backward: one
+    wait per pass, and the same error (parameter and source rank) on every rank, one pass later at most than on
+    the CPU. Poisoned weights decode to NaN rows in the meantime, which that pass computes through; nothing is
+    stepped before the error. ``defer`` None: defer on CUDA only.
+    """
+
+    def __init__(self, defer: Optional[bool] = None) -> None:
+        self.defer = defer
+        self._pending: list[tuple[torch.Tensor, BlockLayout, Sequence[str]]] = []
+
+    def scan(self, scales: torch.Tensor, ranked: Callable[[], torch.Tensor], layout: BlockLayout,
+             names: Sequence[str]) -> Optional[NonFiniteWeightError]:
+        """The error for the first poisoned block of ``scales`` (``ranked()``: them in group order), or None;
+        with deferred checks, record it for :meth:`settle` and return None."""
+        defer = self.defer if self.defer is not None else scales.device.type == "cuda"
+        if defer:
+            bad = ~torch.isfinite(ranked().reshape(-1))
+            first = torch.where(bad.any(), bad.int().argmax(), torch.full((), -1, device=bad.device))
+            self._pending.append((first, layout, names))
+            return None
+        if first_poisoned(scales, layout) is None:
+            return None
+        source, segment = first_poisoned(ranked(), layout)  # the first bad block in rank order (rare)
+        return _weight_error(names, source, segment)
+
+    def settle(self) -> None:
+        """Raise for the first poisoned block the deferred checks recorded since the last call."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        firsts = torch.stack([first for first, _, _ in pending]).tolist()  # the pass's one host sync
+        for flat, (_, layout, names) in zip(firsts, pending):
+            if flat >= 0:
+                source, block = divmod(flat, layout.num_blocks)
+                raise _weight_error(names, source, int(layout.block_segment()[block]))
+
+
+def _weight_error(names: Sequence[str], source: int, segment: int) -> NonFiniteWeightError:
+    return NonFiniteWeightError(
+        f"parameter {names[segment]!r} holds inf or nan in rank {source}'s shard; qwZ will not "
+        f"quantize it (the weights were corrupted before this gather)")
+
+
 class PendingQuantized:
     """One unit's quantized gather in flight: holds its send and receive rows until ``finish``, and the
     dequantized rows it returns until ``recycle``.
@@ -42,8 +91,9 @@ class PendingQuantized:
     """
 
     def __init__(self, pools: BufferPools, fmt: WireFormat, send: Optional[torch.Tensor], arrival: Arrival,
-                 unit: Unit, on_arrival: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-        self.pools, self.fmt = pools, fmt
+                 unit: Unit, checks: WeightChecks, on_arrival: Optional[Callable[[torch.Tensor], None]] = None
+                 ) -> None:
+        self.pools, self.fmt, self.checks = pools, fmt, checks
         self.send: Optional[torch.Tensor] = send
         self.arrival: Optional[Arrival] = arrival
         self.row, self.dtype, self.names = unit.row, unit.compute_dtype, unit.segment_names()
@@ -66,21 +116,16 @@ class PendingQuantized:
         scales = pools["scales"].take(g * nb, torch.float32, received.device).view(g, nb)
         try:
             decode_rows(fmt, received, self.dtype, out, scales)
-            poisoned = first_poisoned(scales, fmt.layout)
-            if poisoned is not None:  # name the first bad block in rank order (rare: the copy is affordable)
-                poisoned = first_poisoned(arrival.ranked(scales).reshape(g, nb), fmt.layout)
+            error = self.checks.scan(scales, lambda: arrival.ranked(scales).reshape(g, nb), fmt.layout,
+                                     self.names)
         finally:
             for role, t in (("scales", scales), ("send", self.send), ("recv", received)):
                 if t is not None:
                     pools[role].give(t)
             self.send = None
-        if poisoned is not None:  # every rank received the same rows, so every rank raises here
+        if error is not None:  # every rank received the same rows, so every rank raises here
             pools["out"].give(out)
-            source, segment = poisoned
-            raise NonFiniteWeightError(
-                f"parameter {self.names[segment]!r} holds inf or nan in rank {source}'s shard; qwZ will not "
-                f"quantize it (the weights were corrupted before this gather)"
-            )
+            raise error
         self.out, self.ranked = out, arrival.ranked(out)
         return self.ranked, self.row
 
@@ -98,8 +143,10 @@ class QuantizedGather:
     """Gather a unit over ``group`` (default: the world, by its route: Note [two-hop gather] in
     ``comm/gather.py``) as quantized rows; dequantize on arrival."""
 
-    def __init__(self, comm: Comm, bits: int, block_size: int, group: Group | None = None) -> None:
+    def __init__(self, comm: Comm, bits: int, block_size: int, group: Group | None = None,
+                 defer_checks: Optional[bool] = None) -> None:
         self.comm = comm
+        self.checks = WeightChecks(defer_checks)  # Note [deferred weight checks]
         self.bits = bits
         self.block_size = block_size
         self.route = WorldRoute(comm, group)
@@ -126,13 +173,16 @@ class QuantizedGather:
         finally:
             self.pools["scales"].give(scales)
         arrival = self.route.start(send[0], self.pools["recv"], self.pools["hop1"], phase)
-        return PendingQuantized(self.pools, fmt, send, arrival, unit)
+        return PendingQuantized(self.pools, fmt, send, arrival, unit, self.checks)
 
     def two_hop(self, unit: Unit) -> bool:
         return self.route.two_hop
 
     def on_release(self, unit: Unit) -> None:
         pass
+
+    def settle(self) -> None:
+        self.checks.settle()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return []

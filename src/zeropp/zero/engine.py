@@ -302,6 +302,7 @@ class ZeroEngine(DeepSpeedSurface):
             pending = self.strategies.forward_gather.start(unit, phase)
             unit.materialize(*pending.finish())
             pending.recycle()  # the rows were copied out: the strategy reuses the buffer
+        self.strategies.forward_gather.settle()
 
     def _start_gather(self, unit: Unit, which: Pass, optional: bool = False) -> Optional[PendingGather]:
         """Start gathering ``unit`` once its shard is readable; None when ``optional`` and the shard could not
@@ -461,11 +462,13 @@ class ZeroEngine(DeepSpeedSurface):
                     return self.module(*args, **kwargs)
             try:
                 with self.use.watching(), self.activations.watching():  # the meter chains to the weights' hooks
-                    return self.module(*args, **kwargs)
+                    out = self.module(*args, **kwargs)
             finally:
                 self._drain_prefetches(Pass.FORWARD)
                 for unit in self.units:  # a unit whose forward raised is still gathered
                     self._release(unit, Pass.FORWARD)
+            self.strategies.forward_gather.settle()  # Note [deferred weight checks] in plus/qwz.py
+            return out
 
     forward = __call__
 
@@ -495,6 +498,7 @@ class ZeroEngine(DeepSpeedSurface):
             for unit in self.units:
                 self._release(unit, Pass.BACKWARD)
         self._backward_open = False
+        self.strategies.backward_gather.settle()
 
     def _reduce_whole_gradients(self) -> None:
         """Stages 0-1, at the boundary: reduce every accumulated full gradient into its shard.
