@@ -241,7 +241,9 @@ def penalty_case(rank: int, world: int) -> dict:
 
 
 def scenarios(rank: int, world: int, root: str) -> dict:
-    return {"between": between_passes_case(rank, world), "penalty": penalty_case(rank, world), "state_dict": state_dict_case(rank, world), "direct": direct_call_case(rank, world), "ckpt": checkpoint_case(rank, world, os.path.join(root, "ckpt")),
+    return {"between": between_passes_case(rank, world), "penalty": penalty_case(rank, world),
+            "state_dict": state_dict_case(rank, world), "direct": direct_call_case(rank, world),
+            "ckpt": checkpoint_case(rank, world, os.path.join(root, "ckpt")),
             "offload": offload_case(rank, world, os.path.join(root, "nvme")),
             "gathered": gathered_case(rank, world), "external": external_case(rank, world)}
 

@@ -5,15 +5,15 @@ Why a small C kernel and not torch ops or ``torch.compile``: the spec takes ~10 
 fuses it but measured ~8x slower than this kernel on the 2-core CI machine and costs ~20 s of cold compile
 per shape (docs/benchmarks.md, "Quantizer kernels"). The kernel makes one pass per block while the block sits
 in L1: max |x| on the integer bit patterns (which also detects inf/nan: their exponent bits are all ones),
-then multiply by the block's reciprocal scale / round-half-even (Note [clamp-free codes]) / pack. Rows x blocks are split over
-``torch.get_num_threads()`` threads of the OpenMP pool (torch's own libgomp, shared by soname; pthreads when
+then multiply by the block's reciprocal scale / round-half-even (Note [clamp-free codes]) / pack. Rows x
+blocks are split over ``torch.get_num_threads()`` threads of the OpenMP pool (torch's own libgomp, shared by soname; pthreads when
 torch does not use ``libgomp.so.1``, or with ``ZEROPP_QUANT_OPENMP=0``). It is plain C99 (no torch headers), so
 it builds in about a second. On AVX-512 machines the int4 code emission and qgZ's dequantize-and-add loop have
 intrinsics bodies (fewer shuffles than gcc's vectorization of the portable loops); ``ZEROPP_QUANT_SIMD=0``
 builds without them.
 
-Bit-identity with the spec rests on: exact IEEE fp32 products and divisions (no ``-ffast-math``, no FMA contraction),
-``rintf`` (round half to even, as ``torch.round``), and the same round-to-nearest-even fp32->bf16/fp16
+Bit-identity with the spec rests on: exact IEEE fp32 products and divisions (no ``-ffast-math``, no FMA
+contraction), ``rintf`` (round half to even, as ``torch.round``), and the same round-to-nearest-even fp32->bf16/fp16
 conversions as c10. A self-test against the spec runs once after loading; any mismatch disables the path.
 
 qgZ's reduction steps (``dequantize_sum``, ``dequantize_sum_quantize``) sum the pieces chunk by chunk in the
