@@ -50,7 +50,8 @@ class GatherStrategy(Protocol):
     def settle(self) -> None:
         """Raise what the gathers since the last call found wrong but did not raise at once: qwZ's inf/nan
         weights on CUDA, checked once per pass instead of once per unit (Note [deferred weight checks] in
-        ``plus/qwz.py``). The engine calls it at the end of each forward and backward, on every rank."""
+        ``plus/qwz.py``). The engine calls it at the end of each forward and backward (and after stages 0-2
+        rebuild their weights), on every rank."""
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Model-state tensors the strategy keeps between steps (hpZ's secondary copies), for accounting."""

@@ -54,8 +54,7 @@ class WeightChecks:
         defer = self.defer if self.defer is not None else scales.device.type == "cuda"
         if defer:
             bad = ~torch.isfinite(ranked().reshape(-1))
-            none = torch.full((), -1, dtype=torch.int64, device=bad.device)
-            first = torch.where(bad.any(), bad.int().argmax(), none)  # argmax: the first of the maxima
+            first = torch.where(bad.any(), bad.int().argmax(), -1)  # argmax: the first of the maxima (int64)
             self._pending.append((first, layout, names))
             return None
         if first_poisoned(scales, layout) is None:

@@ -36,6 +36,8 @@ static inline int8_t qcode(float v, float div, float qmax) {
    rintf(x * inv) with inv = RN(1 / div) (Note [reciprocal codes] in blockwise.py), which never leaves
    [-qmax, qmax], so the hot loops have neither the division nor the clamp (the clamp cost about a fifth of
    quantize, the division a quarter). A subnormal div (m below about 1e-37) keeps qcode. */
+/* The divisor a block's codes are computed with: its scale, or 1 for an all-zero block (0 / 1 = 0 * 1 = 0). */
+static inline float divisor_of(float scale) { return scale == 0.0f ? 1.0f : scale; }
 static inline int clamp_free(float div) { return div >= 0x1p-126f; }
 static inline float recip(float div) { return 1.0f / div; }
 static inline int8_t code1(float v, float div, float qmax) {
@@ -71,26 +73,26 @@ static inline void vstore64(__m512i b0, __m512i b1, __m512i b2, __m512i b3, uint
     const __m512i t = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     _mm512_storeu_si512((void*)o, _mm512_permutexvar_epi32(t, b));
 }
-static inline __m512i vbf16_pairs(const uint16_t* x, __m512 vd) {
+static inline __m512i vbf16_pairs(const uint16_t* x, __m512 vi) {
     __m512i w = _mm512_loadu_si512((const void*)x);
     __m512 ev = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     __m512 od = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
-    return vpair4(ev, od, vd);
+    return vpair4(ev, od, vi);
 }
-static inline __m512i vf32_pairs(const float* x, __m512 vd) {
+static inline __m512i vf32_pairs(const float* x, __m512 vi) {
     __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
     const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    return vpair4(_mm512_permutex2var_ps(a, ie, b), _mm512_permutex2var_ps(a, io, b), vd);
+    return vpair4(_mm512_permutex2var_ps(a, ie, b), _mm512_permutex2var_ps(a, io, b), vi);
 }
 /* Codes of xb[i - s ..) for row elements [i, e) (i even) into dr, 128 at a time; returns where it stopped. */
 #define DEFINE_SIMD4(SUF, T, PAIRS)                                                                  \
 static int64_t simd4_##SUF(const T* xb, int64_t s, int64_t i, int64_t e, float div, uint8_t* dr) {   \
     if (!clamp_free(div)) return i;                                                                  \
-    __m512 vd = _mm512_set1_ps(recip(div));                                                          \
+    __m512 vi = _mm512_set1_ps(recip(div));                                                          \
     for (; i + 128 <= e; i += 128) {                                                                 \
         const T* x = xb + (i - s);                                                                   \
-        vstore64(PAIRS(x, vd), PAIRS(x + 32, vd), PAIRS(x + 64, vd), PAIRS(x + 96, vd), dr + (i >> 1));\
+        vstore64(PAIRS(x, vi), PAIRS(x + 32, vi), PAIRS(x + 64, vi), PAIRS(x + 96, vi), dr + (i >> 1));\
     }                                                                                                \
     return i;                                                                                        \
 }
@@ -137,7 +139,7 @@ static void poison_block_##SUF(const T* xb, int64_t s, int64_t e, int bits, floa
     UT m = 0;                                                                                        \
     for (int64_t k = 0; k < e - s; k++) { UT a = ub[k] & ABSMASK; if (a < INFBITS && a > m) m = a; } \
     float scale = ABS2F(m) / qmax;                                                                   \
-    float div = scale == 0.0f ? 1.0f : scale;                                                        \
+    float div = divisor_of(scale);                                                                   \
     float tmp[CH];                                                                                   \
     for (int64_t i = s; i < e; i += CH) {                                                            \
         int64_t n = e - i < CH ? e - i : CH;                                                         \
@@ -159,7 +161,7 @@ static int quant_block_##SUF(const T* xb, int64_t s, int64_t e, int bits, float 
         return 0;                                                                                    \
     }                                                                                                \
     float scale = ABS2F(m) / qmax;                                                                   \
-    float div = scale == 0.0f ? 1.0f : scale;                                                        \
+    float div = divisor_of(scale);                                                                   \
     *scale_out = scale;                                                                              \
     emit_##SUF(xb, s, e, bits, div, qmax, dr);                                                       \
     return 0;                                                                                        \
@@ -397,7 +399,7 @@ static int sum_quant_block(const job_t* j, int64_t r, int64_t b, int64_t s, int6
     int bad = m >= 0x7F800000u;
     if (bad && !j->poison) return 1;
     float scale = u2f(mf) / qmax;
-    float div = scale == 0.0f ? 1.0f : scale;
+    float div = divisor_of(scale);
     uint8_t* dr = j->out_data + r * j->out_payload;
     j->out_scales[r * j->nb + b] = bad ? u2f(QNAN_BITS) : scale;
     for (int64_t i = s; i < e; i += CH) {
@@ -450,17 +452,17 @@ static int split_sum_quant(const job_t* j, int64_t r, int64_t b, int64_t s, int6
     uint32_t mx = (uint32_t)_mm512_reduce_max_epu32(m);
     if (mx >= 0x7F800000u) return 1; /* inf or nan among the sums: the general path poisons or refuses it */
     float scale = u2f(mx) / qmax;
-    float div = scale == 0.0f ? 1.0f : scale;
+    float div = divisor_of(scale);
     if (!clamp_free(div)) return 1;
     j->out_scales[r * j->nb + b] = scale;
     uint8_t* dr = j->out_data + r * j->out_payload + (s >> 1);
-    __m512 vd = _mm512_set1_ps(recip(div));
+    __m512 vi = _mm512_set1_ps(recip(div));
     for (int64_t k = 0; k < n; k += 128) {
         const float* t = tmp + k;
-        vstore64(vpair4(_mm512_loadu_ps(t), _mm512_loadu_ps(t + 16), vd),
-                 vpair4(_mm512_loadu_ps(t + 32), _mm512_loadu_ps(t + 48), vd),
-                 vpair4(_mm512_loadu_ps(t + 64), _mm512_loadu_ps(t + 80), vd),
-                 vpair4(_mm512_loadu_ps(t + 96), _mm512_loadu_ps(t + 112), vd), dr + (k >> 1));
+        vstore64(vpair4(_mm512_loadu_ps(t), _mm512_loadu_ps(t + 16), vi),
+                 vpair4(_mm512_loadu_ps(t + 32), _mm512_loadu_ps(t + 48), vi),
+                 vpair4(_mm512_loadu_ps(t + 64), _mm512_loadu_ps(t + 80), vi),
+                 vpair4(_mm512_loadu_ps(t + 96), _mm512_loadu_ps(t + 112), vi), dr + (k >> 1));
     }
     return 0;
 }

@@ -115,6 +115,19 @@ def _call_name(func: Any) -> str:
     return name
 
 
+def _call_args(args: tuple, kwargs: dict) -> Iterator[tuple[Any, bool]]:
+    """Each argument of a torch call (one level into lists and tuples, where parameters travel to ``cat`` or
+    ``stack``) and whether it is the first positional one (the tensor a method is called on)."""
+    for i, a in enumerate(args):
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                yield b, False
+        else:
+            yield a, i == 0
+    for v in kwargs.values():
+        yield v, False
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -333,14 +346,8 @@ class ParamUse:
         """Outside the passes: refuse a call that would read a released parameter's elements."""
         if self._active:
             return
-        for a in args:
-            if isinstance(a, (list, tuple)):
-                for b in a:
-                    self._check_idle_arg(func, b)
-            else:
-                self._check_idle_arg(func, a)
-        for v in kwargs.values():
-            self._check_idle_arg(func, v)
+        for a, _ in _call_args(args, kwargs):
+            self._check_idle_arg(func, a)
 
     def _check_idle_arg(self, func: Any, a: Any) -> None:
         hit = self._slot.get(id(a))
@@ -361,14 +368,8 @@ class ParamUse:
     # ---- the torch-function check ------------------------------------------------------------------------
     def check_call(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Gather the released units whose parameters ``func`` reads; refuse in-place writes to them."""
-        for i, a in enumerate(args):
-            if isinstance(a, (list, tuple)):
-                for b in a:
-                    self._check_arg(func, b, False)
-            else:
-                self._check_arg(func, a, i == 0)
-        for v in kwargs.values():
-            self._check_arg(func, v, False)
+        for a, first in _call_args(args, kwargs):
+            self._check_arg(func, a, first)
         out = kwargs.get("out")
         if out is not None and id(out) in self._slot:
             self._refuse(func, out)
