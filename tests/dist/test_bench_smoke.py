@@ -1,5 +1,6 @@
 """Smoke test of ``zeropp bench``: ledger-only mode (no root, no namespaces), a tiny GPT, 1 warm-up + 2 timed steps,
-three systems (DDP, zeropp ZeRO-3, zeropp ZeRO++). Keeps the benchmark from rotting; DeepSpeed is not needed."""
+four systems (DDP, zeropp ZeRO-3, zeropp ZeRO++, ZeRO++ with 4-bit qwZ). Keeps the benchmark from rotting; DeepSpeed
+is not needed."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-SYSTEMS = ("ddp", "zeropp_zero3", "zeropp_all")
+SYSTEMS = ("ddp", "zeropp_zero3", "zeropp_all", "zeropp_all_w4")
+BUCKET = 3_000_000
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "other")
 ROW_FIELDS = {"system", "label", "bandwidth", "parameters", "steps", "warmup", "step_times_s", "median_step_s",
               "losses", "loss", "step_index", "wire", "ledger", "model_state_bytes_peak",
@@ -25,7 +27,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "zeropp.cli", "bench", "--ledger-only", "--tiny", "--steps", "1",
            "--steps-per-bandwidth", "loopback=2", "--warmup", "1",
-           "--systems", ",".join(SYSTEMS), "--out", str(out), "--timeout", "100"]
+           "--systems", ",".join(SYSTEMS), "--bucket-elements", str(BUCKET), "--out", str(out), "--timeout", "100"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=out, env=env)
     assert proc.returncode == 0, \
         f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -45,6 +47,7 @@ def test_rows_have_fields_and_sane_values(bench: dict) -> None:
     assert result["meta"]["bandwidths"] == ["loopback"]
     assert result["meta"]["steps_at"] == {"loopback": 2}  # --steps-per-bandwidth over --steps 1
     assert [r["system"] for r in result["rows"]] == list(SYSTEMS)
+    assert result["meta"]["bucket_elements"] == BUCKET == result["meta"]["train"]["bucket_elements"]
     params = {r["parameters"] for r in result["rows"]}
     assert len(params) == 1 and params.pop() > 0  # same model everywhere
     for system in SYSTEMS:
@@ -83,9 +86,40 @@ def test_time_breakdown_rows(bench: dict) -> None:
 
 
 def test_losses_agree(bench: dict) -> None:
-    ddp, z3, zpp = (_row(bench, s)["loss"] for s in SYSTEMS)
+    ddp, z3, zpp, w4 = (_row(bench, s)["loss"] for s in SYSTEMS)
     assert abs(z3 / ddp - 1) < 0.01, (ddp, z3)
-    assert abs(zpp / z3 - 1) < 0.02, (z3, zpp)
+    assert abs(zpp / z3 - 1) < 0.02 and abs(w4 / z3 - 1) < 0.02, (z3, zpp, w4)
+    assert w4 != zpp  # other weights in the forward
+
+
+def test_four_bit_weights_halve_the_forward_gather(bench: dict) -> None:
+    """``zeropp_all_w4`` is ZeRO++ with 4-bit weight gathers in blocks of 256 (a 4-byte scale per 128 payload bytes,
+    against one per 2048 at 8 bits): the forward's inter-node gather carries about half the bytes; qgZ's blocks
+    shrink too, so its reduction carries a few more scales."""
+    zpp, w4 = (_row(bench, s)["ledger"]["all_ranks"] for s in ("zeropp_all", "zeropp_all_w4"))
+    ratio = w4["forward_gather"]["inter_node_bytes"] / zpp["forward_gather"]["inter_node_bytes"]
+    assert 0.51 <= ratio < 0.55, ratio  # (0.5 + 4/256) / (1 + 4/2048) = 0.515 on whole blocks
+    reduce = w4["grad_reduce"]["inter_node_bytes"] / zpp["grad_reduce"]["inter_node_bytes"]
+    assert 1.0 < reduce < 1.05, reduce  # (0.5 + 4/256) / (0.5 + 4/2048) = 1.027
+    assert w4["backward_gather"]["inter_node_bytes"] == 0
+    assert "3,000,000-element gradient buckets" in (bench["out"] / "cluster_bench.md").read_text()
+
+
+def test_slow_link_ratios_of_each_zeropp_variant() -> None:
+    """Issue 17's ratios (slow link over unlimited) are reported for ZeRO++ and, when it ran, its 4-bit variant."""
+    from zeropp.cluster_bench.report import targets
+
+    steps = {("zeropp_all", "unlimited"): 0.8, ("zeropp_all", "200mbit"): 1.2, ("zeropp_all", "100mbit"): 1.8,
+             ("zeropp_all_w4", "unlimited"): 0.9, ("zeropp_all_w4", "200mbit"): 0.99, ("zeropp_all_w4", "100mbit"): 1.26}
+    rows = [{"system": sy, "bandwidth": bw, "median_step_s": t, "loss": 3.0} for (sy, bw), t in steps.items()]
+    got = {t["name"]: (round(t["value"], 4), t["met"]) for t in targets(rows, ["unlimited", "200mbit", "100mbit"])
+           if "step at" in t["name"]}
+    assert got == {"ZeRO++ step at 200mbit / ZeRO++ step at unlimited": (1.5, False),
+                   "ZeRO++ step at 100mbit / ZeRO++ step at unlimited": (2.25, False),
+                   "ZeRO++ 4-bit qwZ step at 200mbit / ZeRO++ 4-bit qwZ step at unlimited": (1.1, True),
+                   "ZeRO++ 4-bit qwZ step at 100mbit / ZeRO++ 4-bit qwZ step at unlimited": (1.4, True)}
+    without = [r for r in rows if r["system"] == "zeropp_all"]
+    assert not [t for t in targets(without, ["unlimited", "200mbit", "100mbit"]) if "4-bit" in t["name"]]
 
 
 def test_report_files(bench: dict) -> None:

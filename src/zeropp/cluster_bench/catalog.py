@@ -14,6 +14,7 @@ SYSTEMS: dict[str, tuple[str, str]] = {
     "zeropp_hpz": ("zeropp", "zeropp + hpZ"),
     "zeropp_qgz": ("zeropp", "zeropp + qgZ"),
     "zeropp_all": ("zeropp", "zeropp ZeRO++ (qwZ+hpZ+qgZ)"),
+    "zeropp_all_w4": ("zeropp", "zeropp ZeRO++, 4-bit qwZ (blocks of 256)"),
 }
 #: Rows that cannot run here, with the reason shown in the table.
 NOT_RUNNABLE: dict[str, str] = {
@@ -26,4 +27,10 @@ ZEROPP_SWITCHES = {
     "zeropp_hpz": (False, True, False),
     "zeropp_qgz": (False, False, True),
     "zeropp_all": (True, True, True),
+}
+#: ZeRO++ variants: the ``zero_optimization`` keys they set on top of ``zeropp_all``. 4-bit weight gathers halve the
+#: forward's inter-node bytes, the one transfer a slow link cannot hide behind compute (docs/benchmarks.md, "The
+#: forward's link bound"); blocks of 256 keep their loss next to int8's (bench/convergence_loco.py --only w4_b256).
+ZEROPP_VARIANTS: dict[str, dict[str, int]] = {
+    "zeropp_all_w4": {"zero_quantized_weights_bits": 4, "quantization_block_size": 256},
 }

@@ -68,10 +68,11 @@ def targets(rows: list[dict[str, Any]], bandwidths: list[str], slow: str = "200m
     add("hpZ backward gather inter-node bytes (ledger, all ranks)", ledger_inter(hpz, "backward_gather"), 0, "==")
     add(f"{fast}: ZeRO++ step / zeropp ZeRO-3 step",
         _ratio(_step(rows, ZEROPP, fast), _step(rows, "zeropp_zero3", fast)), 1.15)
-    for bw, bound in (("200mbit", 1.2), ("100mbit", 1.5)):  # issue 17: the slow link hidden behind compute
-        if bw in bandwidths and bw != fast:
-            add(f"ZeRO++ step at {bw} / ZeRO++ step at {fast}", _ratio(_step(rows, ZEROPP, bw),
-                                                                      _step(rows, ZEROPP, fast)), bound)
+    for name, label in ((ZEROPP, "ZeRO++"), ("zeropp_all_w4", "ZeRO++ 4-bit qwZ")):
+        for bw, bound in (("200mbit", 1.2), ("100mbit", 1.5)):  # issue 17: the slow link hidden behind compute
+            if bw in bandwidths and bw != fast and (name == ZEROPP or find(rows, name, bw)):
+                add(f"{label} step at {bw} / {label} step at {fast}", _ratio(_step(rows, name, bw),
+                                                                           _step(rows, name, fast)), bound)
     for bw in bandwidths:
         add(f"{bw}: zeropp ZeRO-3 step / FSDP2 step",
             _ratio(_step(rows, "zeropp_zero3", bw), _step(rows, "fsdp2", bw)), 1.1)
@@ -113,7 +114,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"Command: `{meta['command'].strip()}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; zeropp sources sha256[:12] "
              f"{meta.get('code_sha256_12', '-')} (the copy every rank imported)  ",
              f"Model: GPT {meta['parameters']:,} parameters ({meta['model']}), micro-batch {meta['micro_batch']} "
-             f"x {meta['model']['block_size']} tokens per rank, bf16, AdamW, {meta['warmup']} warm-up + "
+             f"x {meta['model']['block_size']} tokens per rank, {meta.get('bucket_elements', 5_000_000):,}-element gradient "
+             f"buckets, bf16, AdamW, {meta['warmup']} warm-up + "
              f"{steps_text(meta)} timed steps per bandwidth (training continues across bandwidths, same order for "
              "every system).  ", f"Links: {meta['links']}  ",
              f"Load average at start / end: {meta['load_start']} / {meta.get('load_end', '-')}", ""]

@@ -52,6 +52,9 @@ def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentPars
     p.add_argument("--n-head", type=int, default=BENCH_MODEL["n_head"])
     p.add_argument("--block-size", type=int, default=BENCH_MODEL["block_size"])
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step (default: 2)")
+    p.add_argument("--bucket-elements", type=int, default=5_000_000, metavar="N",
+                   help="gradient bucket size of every system, in elements (reduce_bucket_size, DDP's bucket_cap_mb; "
+                        "default: 5000000)")
     p.add_argument("--tiny", action="store_true", help="a tiny model (smoke tests)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ledger-only", action="store_true",
@@ -179,7 +182,7 @@ def build_spec(args: argparse.Namespace, phases: list[str], control_dir: str, wi
             "ranks_per_node": args.ranks_per_node, "control_dir": control_dir, "wire_counters": wire,
             "wait_timeout_s": args.timeout,
             "train": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "clip": 1.0,
-                      "micro_batch": args.micro_batch, "bucket_elements": 5_000_000}}
+                      "micro_batch": args.micro_batch, "bucket_elements": args.bucket_elements}}
 
 
 def snapshot_package(dest: str) -> str:
@@ -295,6 +298,7 @@ def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
         "command": argv_text, "date": datetime.date.today().isoformat(), "machine": machine(), "mode": mode,
         "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "bandwidths": phases, "systems": systems,
         "skipped": skipped, "model": spec["model"], "parameters": params, "micro_batch": args.micro_batch,
+        "bucket_elements": args.bucket_elements,
         "warmup": args.warmup, "steps": args.steps, "steps_at": spec["steps_at"], "train": spec["train"],
         "load_start": _load(),
         "code_sha256_12": code_hash,

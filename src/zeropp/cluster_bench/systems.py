@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeropp.cluster_bench.catalog import SYSTEMS, ZEROPP_SWITCHES
+from zeropp.cluster_bench.catalog import SYSTEMS, ZEROPP_SWITCHES, ZEROPP_VARIANTS
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -274,7 +274,7 @@ class DeepSpeedSystem(EngineSystem):
 
 # ---------------------------------------------------------------------------------------------- zeropp
 def zeropp_config(name: str, s: TrainSettings) -> dict[str, Any]:
-    qwz, hpz, qgz = ZEROPP_SWITCHES[name]
+    qwz, hpz, qgz = ZEROPP_SWITCHES[name if name in ZEROPP_SWITCHES else "zeropp_all"]
     return {
         "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -284,6 +284,7 @@ def zeropp_config(name: str, s: TrainSettings) -> dict[str, Any]:
                                                   "weight_decay": s.weight_decay}},
         "zero_optimization": {"stage": 3, "reduce_bucket_size": s.bucket_elements,
                               "zero_quantized_weights": qwz, "zero_quantized_gradients": qgz,
+                              **ZEROPP_VARIANTS.get(name, {}),
                               "zero_hpz_partition_size": s.ranks_per_node if hpz else 1},
         "topology": {"ranks_per_node": s.ranks_per_node},
     }
@@ -327,7 +328,7 @@ def build(name: str, model: nn.Module, s: TrainSettings) -> System:
         "ds_zero3_hpz": lambda: DeepSpeedSystem(model, s, hpz=True),
         "ds_zero3_prefetch": lambda: DeepSpeedSystem(model, s, hpz=False, prefetch=True),
     }
-    if name in ZEROPP_SWITCHES:
+    if name in ZEROPP_SWITCHES or name in ZEROPP_VARIANTS:
         return ZeroppSystem(model, s, name)
     if name not in makers:
         raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
