@@ -43,11 +43,13 @@ from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
 from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_state_dict
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
+from zeropp.zero.gather_ahead import GatherAhead
 from zeropp.zero.loss_scaler import LossScaler
-from zeropp.zero.memory import ActivationMeter, GatheredWeights, memory_report, model_state_bytes, weight_storages
+from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder, CollectiveOrderError
 from zeropp.zero import idle_watch
 from zeropp.zero.param_use import ParamUse, unwatched
+from zeropp.zero.reports import EngineReports
 from zeropp.zero.timing import StepTimer, format_time_report
 
 # Note [inference mode]: an evaluation under torch.inference_mode() may be the first forward to need a gather
@@ -144,7 +146,7 @@ class Pass(enum.Enum):
 _LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
 
 
-class ZeroEngine(DeepSpeedSurface):
+class ZeroEngine(EngineReports, DeepSpeedSurface):
     """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.initialize`.
 
     Use it like DeepSpeed's engine: ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``;
@@ -210,6 +212,7 @@ class ZeroEngine(DeepSpeedSurface):
         self.residency.attach(self.optimizer, self._optimized)
         self.lr_scheduler = make_scheduler(self.optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
+        self._ahead = GatherAhead()  # Note [gathers ahead of the forward]
         # ZeRO-R's residual memory (zero/memory.py): saved activations, gathered weights and the prefetch bound
         weights = weight_storages(self.module)  # once: a weight keeps its storage object while it is resized
         self.activations = ActivationMeter(lambda: weights)
@@ -390,7 +393,11 @@ class ZeroEngine(DeepSpeedSurface):
             return
         order = self._order[which]
         order.append(unit)
-        pending = self._inflight.pop(unit, None) or self._start_gather(unit, which)
+        pending = self._inflight.pop(unit, None)
+        if pending is not None and self._ahead.stale(unit):
+            self._drop_gather(unit, pending)  # started in step(), and the weights were written since
+            pending = None
+        pending = pending or self._start_gather(unit, which)
         assert pending is not None
         self._prefetch(which, len(order) - 1)
         rows, layout = pending.finish()
@@ -440,13 +447,18 @@ class ZeroEngine(DeepSpeedSurface):
     def _drain_prefetches(self, which: Pass) -> None:
         """Complete and drop prefetches that were not used (the model took another path this time)."""
         for unit, pending in list(self._inflight.items()):
-            pending.finish()
-            pending.recycle()
-            self.residency.shard_done(unit)
+            self._drop_gather(unit, pending)
         self._inflight.clear()
+        self._ahead.clear()
         for unit in self.units:  # shards read ahead that no gather used (another path, or already gathered)
             self.residency.shard_done(unit)
         self._last_order[which], self._order[which] = self._order[which], []
+
+    def _drop_gather(self, unit: Unit, pending: PendingGather) -> None:
+        """Complete a gather nobody will use (every rank issued it) and give its buffers back."""
+        pending.finish()
+        pending.recycle()
+        self.residency.shard_done(unit)
 
     # ---- public training API -----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -591,20 +603,35 @@ class ZeroEngine(DeepSpeedSurface):
                 self._set_master_grads(self._stepped, fp32_grad, coef)
                 self._update = _BackgroundUpdate(self._apply_update)
             else:
-                for group in self.residency.optimizer_pass(self._stepped):
-                    self._set_master_grads(group, fp32_grad, coef)
-                    fused = self._step_group(group)
-                    for u in group:
-                        for view in u.master_views():
-                            view.grad = None
-                        u.refresh_shard_from_master(recast=u not in fused)
-                        self._copy_back(u)
+                head = self._ahead.head(self._last_order[Pass.FORWARD], self.optimizer, allowed=(
+                    self.plan.shards_weights and not self._inflight and not self.policy.offload_param
+                    and not self.residency.swaps_states))  # Note [gathers ahead of the forward]
+                first, rest = [u for u in self._stepped if u in head], [u for u in self._stepped if u not in head]
+                if first:
+                    self._step_units(first, fp32_grad, coef)
+                if head:
+                    self._ahead.start(head, self.ledger, self._strategy(Pass.FORWARD).two_hop,
+                                      self.gathered_weights.admits,
+                                      lambda u: self._start_gather(u, Pass.FORWARD, optional=True), self._inflight)
+                if rest or not head:
+                    self._step_units(rest, fp32_grad, coef)
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
                 if not self.plan.shards_weights:
                     self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
         # the optimizer held its own fp32 copies; stages 0-2 hold no rows between steps
         self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)
+
+    def _step_units(self, units: list[Unit], fp32_grad: Callable[[Unit], torch.Tensor], coef: Optional[float]) -> None:
+        """Update the masters of ``units`` and make them the weights (recast shards, bump versions)."""
+        for group in self.residency.optimizer_pass(units):
+            self._set_master_grads(group, fp32_grad, coef)
+            fused = self._step_group(group)
+            for u in group:
+                for view in u.master_views():
+                    view.grad = None
+                u.refresh_shard_from_master(recast=u not in fused)
+                self._copy_back(u)
 
     def _global_norm(self, fp32_grad: Callable[[Unit], torch.Tensor]) -> float:
         """The gradients' global L2 norm; the same all-reduce checks that every rank issued the same
@@ -748,55 +775,14 @@ class ZeroEngine(DeepSpeedSurface):
         """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""
         self._publish_masters(Phase.OTHER, self.units)
 
-    # ---- reports -----------------------------------------------------------------------------------------
-    def comm_report(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank received in the last completed step, by phase and link."""
-        return self.ledger.last_step_report()
-
-    def time_report(self) -> dict[str, Any]:
-        """Where the last completed step's wall time went (Note [time report] in ``zero/timing.py``).
-
-        ``phases_s``: forward/backward compute, exposed waits for forward and backward gathers, gradient
-        reduction and other collectives, the optimizer step, offload I/O waits, and time outside the engine
-        (``untracked``), summing to ``step_s``; ``grad_reduce_wait_by_link_s`` splits the reduction wait by
-        link (qgZ's intra-node and inter-node hops); ``collective_busy_s`` is issue-to-completion time per
-        phase, hidden or not; ``exposed_comm_fraction`` is the waits' share of the step. Times are the host
-        thread's: with NCCL on CUDA a wait only orders streams, so waits read near zero there.
-        """
-        return self.timer.report()
-
-    def memory_report(self) -> dict[str, Any]:
-        """ZeRO-R's residual memory on this rank (``zero/memory.py``): every temporary buffer with its bytes and
-        bound, the peak of saved activations and of gathered weights in the last step, and model states."""
-        return memory_report(self)
-
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of the model-state tensors this rank holds, by kind, measured from the tensors.
-
-        ``gathered_params`` are full weights (resident in stages 0-2; 0 between steps in stage 3),
-        ``full_grads`` whole gradients accumulating before the boundary (stages 0-1) and ``bucket_grads`` whole
-        gradients waiting in reduce buckets and reduced rows still on their way to the host (during
-        backward), ``reduce_state`` what the reduce strategy keeps between steps (LoCo's errors).
-        ``shard_16bit`` includes the host row staged for upload under optimizer offload from a
-        separate device. Tensors offloaded to NVMe hold no memory and
-        count 0 here (see :meth:`offload_report`).
-
-        Optimizer state counts the tensors shaped like a shard (Adam's moments, SGD's momentum); per
-        parameter scalars such as Adam's step counter are bookkeeping, not model state, and are left out.
-        """
-        return model_state_bytes(self)
-
-    def offload_report(self) -> dict[str, Any]:
-        """NVMe offload: bytes held in the per-rank files, the swap buffers' budget and the most they held
-        in memory at once, and the files' paths (all 0 / empty without NVMe)."""
-        r = self.residency
-        return {"offloaded_bytes": r.offloaded_bytes(), "buffer_budget_bytes": r.budget(),
-                "buffer_peak_bytes": r.resident_peak(), "files": r.files()}
-
     def close(self) -> None:
         """Wait for a delayed update, delete the NVMe offload files (also done at interpreter exit) and stop
         watching reads of the partitioned weights between passes (Note [reads between passes])."""
         self.join_update()
+        for unit, pending in list(self._inflight.items()):  # gathers started for a forward that never came
+            self._drop_gather(unit, pending)
+        self._inflight.clear()
+        self._ahead.clear()
         self.residency.close()
         if self.use is not None:
             idle_watch.unwatch(self.use)
