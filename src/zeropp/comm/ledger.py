@@ -13,11 +13,10 @@ any member sits on another node:
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
 
 
 class Phase(str, enum.Enum):
@@ -52,13 +51,11 @@ class CommLedger:
     steps_closed: int = 0
     times: dict[tuple[str, Phase, Link], float] = field(default_factory=dict)  # current step's seconds
     last_step_times: dict[tuple[str, Phase, Link], float] = field(default_factory=dict)
-    next_step: dict[tuple[Phase, Link], Tally] = field(default_factory=dict)  # recorded ahead (for_next_step)
-    _ahead: bool = False
     _time_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, phase: Phase, intra_bytes: int, inter_bytes: int) -> None:
         for link, nbytes in ((Link.INTRA_NODE, intra_bytes), (Link.INTER_NODE, inter_bytes)):
-            for table in (self.next_step if self._ahead else self.current, self.total):
+            for table in (self.current, self.total):
                 cell = table.setdefault((phase, link), Tally())
                 cell.bytes += int(nbytes)
                 cell.calls += 1 if nbytes else 0
@@ -70,24 +67,14 @@ class CommLedger:
             key = (kind, phase, link)
             self.times[key] = self.times.get(key, 0.0) + seconds
 
-    @contextlib.contextmanager
-    def for_next_step(self) -> Iterator[None]:
-        """Bytes of collectives issued inside the block count in the next step: the next forward's first gathers,
-        started while this step's optimizer runs (Note [gathers ahead of the forward] in zero/engine.py)."""
-        self._ahead = True
-        try:
-            yield
-        finally:
-            self._ahead = False
-
     def close_step(self) -> None:
         with self._time_lock:
             self.last_step_times, self.times = self.times, {}
-        self.last_step, self.current, self.next_step = self.current, self.next_step, {}
+        self.last_step, self.current = self.current, {}
         self.steps_closed += 1
 
     def reset(self) -> None:
-        self.current, self.last_step, self.total, self.next_step = {}, {}, {}, {}
+        self.current, self.last_step, self.total = {}, {}, {}
         with self._time_lock:
             self.times, self.last_step_times = {}, {}
         self.steps_closed = 0

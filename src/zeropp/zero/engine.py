@@ -43,7 +43,6 @@ from zeropp.zero import gathered
 from zeropp.zero.buckets import GradBuckets
 from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_state_dict
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
-from zeropp.zero.gather_ahead import GatherAhead
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder, CollectiveOrderError
@@ -212,7 +211,6 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
         self.residency.attach(self.optimizer, self._optimized)
         self.lr_scheduler = make_scheduler(self.optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
-        self._ahead = GatherAhead()  # Note [gathers ahead of the forward]
         # ZeRO-R's residual memory (zero/memory.py): saved activations, gathered weights and the prefetch bound
         weights = weight_storages(self.module)  # once: a weight keeps its storage object while it is resized
         self.activations = ActivationMeter(lambda: weights)
@@ -393,11 +391,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
             return
         order = self._order[which]
         order.append(unit)
-        pending = self._inflight.pop(unit, None)
-        if pending is not None and self._ahead.stale(unit):
-            self._drop_gather(unit, pending)  # started in step(), and the weights were written since
-            pending = None
-        pending = pending or self._start_gather(unit, which)
+        pending = self._inflight.pop(unit, None) or self._start_gather(unit, which)
         assert pending is not None
         self._prefetch(which, len(order) - 1)
         rows, layout = pending.finish()
@@ -447,18 +441,13 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
     def _drain_prefetches(self, which: Pass) -> None:
         """Complete and drop prefetches that were not used (the model took another path this time)."""
         for unit, pending in list(self._inflight.items()):
-            self._drop_gather(unit, pending)
+            pending.finish()
+            pending.recycle()
+            self.residency.shard_done(unit)
         self._inflight.clear()
-        self._ahead.clear()
         for unit in self.units:  # shards read ahead that no gather used (another path, or already gathered)
             self.residency.shard_done(unit)
         self._last_order[which], self._order[which] = self._order[which], []
-
-    def _drop_gather(self, unit: Unit, pending: PendingGather) -> None:
-        """Complete a gather nobody will use (every rank issued it) and give its buffers back."""
-        pending.finish()
-        pending.recycle()
-        self.residency.shard_done(unit)
 
     # ---- public training API -----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -603,35 +592,20 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
                 self._set_master_grads(self._stepped, fp32_grad, coef)
                 self._update = _BackgroundUpdate(self._apply_update)
             else:
-                head = self._ahead.head(self._last_order[Pass.FORWARD], self.optimizer, allowed=(
-                    self.plan.shards_weights and not self._inflight and not self.policy.offload_param
-                    and not self.residency.swaps_states))  # Note [gathers ahead of the forward]
-                first, rest = [u for u in self._stepped if u in head], [u for u in self._stepped if u not in head]
-                if first:
-                    self._step_units(first, fp32_grad, coef)
-                if head:
-                    self._ahead.start(head, self.ledger, self._strategy(Pass.FORWARD).two_hop,
-                                      self.gathered_weights.admits,
-                                      lambda u: self._start_gather(u, Pass.FORWARD, optional=True), self._inflight)
-                if rest or not head:
-                    self._step_units(rest, fp32_grad, coef)
+                for group in self.residency.optimizer_pass(self._stepped):
+                    self._set_master_grads(group, fp32_grad, coef)
+                    fused = self._step_group(group)
+                    for u in group:
+                        for view in u.master_views():
+                            view.grad = None
+                        u.refresh_shard_from_master(recast=u not in fused)
+                        self._copy_back(u)
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
                 if not self.plan.shards_weights:
                     self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
         # the optimizer held its own fp32 copies; stages 0-2 hold no rows between steps
         self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)
-
-    def _step_units(self, units: list[Unit], fp32_grad: Callable[[Unit], torch.Tensor], coef: Optional[float]) -> None:
-        """Update the masters of ``units`` and make them the weights (recast shards, bump versions)."""
-        for group in self.residency.optimizer_pass(units):
-            self._set_master_grads(group, fp32_grad, coef)
-            fused = self._step_group(group)
-            for u in group:
-                for view in u.master_views():
-                    view.grad = None
-                u.refresh_shard_from_master(recast=u not in fused)
-                self._copy_back(u)
 
     def _global_norm(self, fp32_grad: Callable[[Unit], torch.Tensor]) -> float:
         """The gradients' global L2 norm; the same all-reduce checks that every rank issued the same
@@ -779,10 +753,6 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
         """Wait for a delayed update, delete the NVMe offload files (also done at interpreter exit) and stop
         watching reads of the partitioned weights between passes (Note [reads between passes])."""
         self.join_update()
-        for unit, pending in list(self._inflight.items()):  # gathers started for a forward that never came
-            self._drop_gather(unit, pending)
-        self._inflight.clear()
-        self._ahead.clear()
         self.residency.close()
         if self.use is not None:
             idle_watch.unwatch(self.use)
