@@ -7,9 +7,10 @@ Runs (2 simulated nodes x 2 ranks; micro-batch 4 x 64 tokens per rank by default
 8 x 128, so that five 300-step runs take about 20 minutes on a 2-core machine; the demo's built-in config
 otherwise): ``zero3`` (qwZ, hpZ, qgZ off), ``int4`` (the demo's ZeRO++: qwZ int8 + hpZ + qgZ int4, blocks of
 2048), ``int4_loco``, ``int2_loco``, ``int2`` (both int2 runs with blocks of 64, ``--int2-block``). LoCo
-uses DeepSpeed's defaults (err_beta 0.8, reset_T 1024). ``w4`` (only with ``--only``) is the demo's ZeRO++ with
-4-bit weight gathers (``zero_quantized_weights_bits: 4``). Writes ``convergence_loco.json`` (curves, final losses =
-mean of the last 20 steps, gradient-reduction bytes per step from the ledger) and ``convergence_loco.png``.
+uses DeepSpeed's defaults (err_beta 0.8, reset_T 1024). ``w4`` and ``w4_b256`` (only with ``--only``) are the
+demo's ZeRO++ with 4-bit weight gathers (``zero_quantized_weights_bits: 4``), in blocks of 2048 and of 256.
+Writes ``convergence_loco.json`` (curves, final losses = mean of the last 20 steps, gradient-reduction bytes per
+step from the ledger) and ``convergence_loco.png``.
 Targets: int4 + LoCo ends closer to ZeRO-3 than int4; int2 + LoCo within 2% of ZeRO-3.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ VARIANTS: dict[str, dict] = {
     "int4_loco": {"zeropp_loco_param": LOCO},
     "int2_loco": {"zero_quantized_gradients_bits": 2, "zeropp_loco_param": LOCO},
     "int2": {"zero_quantized_gradients_bits": 2},
-    # not a LoCo run: ZeRO++ with 4-bit weight gathers, the setting issue 17's slow-link runs meet their targets with
+    # not LoCo runs: ZeRO++ with 4-bit weight gathers (w4_b256: what issue 17's slow-link targets are met with)
     "w4": {"zero_quantized_weights_bits": 4},
     "w4_b256": {"zero_quantized_weights_bits": 4, "quantization_block_size": 256},
 }

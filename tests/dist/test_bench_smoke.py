@@ -110,7 +110,8 @@ def test_slow_link_ratios_of_each_zeropp_variant() -> None:
     from zeropp.cluster_bench.report import targets
 
     steps = {("zeropp_all", "unlimited"): 0.8, ("zeropp_all", "200mbit"): 1.2, ("zeropp_all", "100mbit"): 1.8,
-             ("zeropp_all_w4", "unlimited"): 0.9, ("zeropp_all_w4", "200mbit"): 0.99, ("zeropp_all_w4", "100mbit"): 1.26}
+             ("zeropp_all_w4", "unlimited"): 0.9, ("zeropp_all_w4", "200mbit"): 0.99,
+             ("zeropp_all_w4", "100mbit"): 1.26}
     rows = [{"system": sy, "bandwidth": bw, "median_step_s": t, "loss": 3.0} for (sy, bw), t in steps.items()]
     got = {t["name"]: (round(t["value"], 4), t["met"]) for t in targets(rows, ["unlimited", "200mbit", "100mbit"])
            if "step at" in t["name"]}

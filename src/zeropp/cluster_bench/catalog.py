@@ -29,8 +29,8 @@ ZEROPP_SWITCHES = {
     "zeropp_all": (True, True, True),
 }
 #: ZeRO++ variants: the ``zero_optimization`` keys they set on top of ``zeropp_all``. 4-bit weight gathers halve the
-#: forward's inter-node bytes, the one transfer a slow link cannot hide behind compute (docs/benchmarks.md, "The
-#: forward's link bound"); blocks of 256 keep their loss next to int8's (bench/convergence_loco.py --only w4_b256).
+#: forward's inter-node bytes, the one transfer a slow link cannot hide behind compute (docs/benchmarks.md, "4-bit
+#: weight gathers"); blocks of 256 keep their loss next to int8's (bench/convergence_loco.py --only w4_b256).
 ZEROPP_VARIANTS: dict[str, dict[str, int]] = {
     "zeropp_all_w4": {"zero_quantized_weights_bits": 4, "quantization_block_size": 256},
 }

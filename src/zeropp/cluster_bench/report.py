@@ -114,8 +114,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"Command: `{meta['command'].strip()}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; zeropp sources sha256[:12] "
              f"{meta.get('code_sha256_12', '-')} (the copy every rank imported)  ",
              f"Model: GPT {meta['parameters']:,} parameters ({meta['model']}), micro-batch {meta['micro_batch']} "
-             f"x {meta['model']['block_size']} tokens per rank, {meta.get('bucket_elements', 5_000_000):,}-element gradient "
-             f"buckets, bf16, AdamW, {meta['warmup']} warm-up + "
+             f"x {meta['model']['block_size']} tokens per rank, {meta.get('bucket_elements', 5_000_000):,}-element "
+             f"gradient buckets, bf16, AdamW, {meta['warmup']} warm-up + "
              f"{steps_text(meta)} timed steps per bandwidth (training continues across bandwidths, same order for "
              "every system).  ", f"Links: {meta['links']}  ",
              f"Load average at start / end: {meta['load_start']} / {meta.get('load_end', '-')}", ""]
