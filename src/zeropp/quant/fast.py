@@ -7,10 +7,10 @@ per shape (docs/benchmarks.md, "Quantizer kernels"). The kernel makes one pass p
 in L1: max |x| on the integer bit patterns (which also detects inf/nan: their exponent bits are all ones),
 then multiply by the block's reciprocal scale / round-half-even (Note [clamp-free codes]) / pack. Rows x
 blocks are split over ``torch.get_num_threads()`` threads of the OpenMP pool (torch's own libgomp, shared by
-soname; pthreads when torch does not use ``libgomp.so.1``, or with ``ZEROPP_QUANT_OPENMP=0``). It is plain C99 (no torch headers), so
-it builds in about a second. On AVX-512 machines the int4 code emission and qgZ's dequantize-and-add loop have
-intrinsics bodies (fewer shuffles than gcc's vectorization of the portable loops); ``ZEROPP_QUANT_SIMD=0``
-builds without them.
+soname; pthreads when torch does not use ``libgomp.so.1``, or with ``ZEROPP_QUANT_OPENMP=0``). It is plain C99
+(no torch headers), so it builds in about a second. On AVX-512 machines the int4 code emission and qgZ's
+dequantize-and-add loop have intrinsics bodies (fewer shuffles than gcc's vectorization of the portable loops);
+``ZEROPP_QUANT_SIMD=0`` builds without them.
 
 Bit-identity with the spec rests on: exact IEEE fp32 products and divisions (no ``-ffast-math``, no FMA
 contraction), ``rintf`` (round half to even, as ``torch.round``), and the same round-to-nearest-even fp32->bf16/fp16
