@@ -5,11 +5,9 @@ and policy the engine is handed (see :func:`build_strategies`).
 """
 from __future__ import annotations
 
-import atexit
 import datetime
 import inspect
 import os
-import socket
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
 
 import torch
@@ -35,6 +33,7 @@ from zeropp.plus.qgz import QuantizedReduce
 from zeropp.plus.qwz import QuantizedGather
 from zeropp.topology import Group
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
+from zeropp.zero import init_context
 from zeropp.zero.engine import Strategies, TrainPolicy
 from zeropp.zero.loss_scaler import LossScaler
 
@@ -110,64 +109,6 @@ def _pin_memory(zero: ZeroConfig) -> bool:
     """Page-locked host rows when either offload section asks for them."""
     return any(section is not None and section.device != "none" and section.pin_memory
                for section in (zero.offload_optimizer, zero.offload_param))
-
-
-def _ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
-    """Join torchrun's process group (default backend: gloo for host tensors, NCCL for CUDA ones, chosen per
-    tensor where CUDA is present); without torchrun's environment and without ``init_method``/``rank``/
-    ``world_size`` a lone process forms a world of one. ``kwargs`` go to ``init_process_group``
-    (``init_method``, ``rank``, ``world_size``, ``timeout``)."""
-    if dist.is_initialized():
-        return
-    # Dynamo keeps references to a default group that exists when it is first imported (torch 2.13; every
-    # torch optimizer imports it), and that group could then never be freed: Note [leaving the process group].
-    import torch._dynamo  # noqa: F401
-    if backend is None:
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if "RANK" not in os.environ and not (kwargs.keys() - {"timeout"}):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kwargs)
-    else:
-        store = _attempt_store(kwargs.get("timeout")) if not (kwargs.keys() - {"timeout"}) else None
-        if store is not None:
-            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        dist.init_process_group(backend, **kwargs)
-    atexit.register(_leave_process_group)
-
-
-def _leave_process_group() -> None:
-    """At interpreter exit, destroy the process group zeropp created (a script need not do it).
-
-    Note [leaving the process group]: gloo's worker threads drop a finished collective's tensors a moment
-    after its ``wait`` returns; when the last reference to a tensor is theirs, they take the GIL to free its
-    Python object. A script that ends right after its last collective can reach that while the interpreter
-    is finalizing, and the worker then aborts the process ("terminate called without an active exception",
-    a lost rank under torchrun: 5 of 40 launches of examples/deepspeed_train.py on 2 busy cores). A group
-    joins its workers only when it is freed (``shutdown`` leaves gloo's running), so ``Group`` holds its
-    handle weakly, Dynamo is imported before the default group exists (imported after, it holds references
-    to that group for good), and this hook destroys the groups while the interpreter is whole (torch
-    releases the GIL while it frees a group, so a worker waiting for it can finish). Peers are not waited
-    for: the teardown is local, and a barrier here would hang behind a rank that failed.
-    """
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _attempt_store(timeout: Optional[datetime.timedelta]) -> Optional[dist.Store]:
-    """Under torchrun's agent, its store with a prefix per restart attempt.
-
-    The agent keeps one store for every restart of a job (``TORCHELASTIC_USE_AGENT_STORE``): a restarted
-    worker's gloo mesh would read the previous attempt's addresses from it and fail with "connection
-    refused". Keys under ``/zeropp/attempt_<TORCHELASTIC_RESTART_COUNT>`` keep each attempt apart, which is
-    what lets ``torchrun --max-restarts`` resume a job (tests/dist/test_faults.py).
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=timeout or datetime.timedelta(minutes=30))
-    return dist.PrefixStore(f"/zeropp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -254,7 +195,7 @@ def initialize(
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     timeout = datetime.timedelta(seconds=cfg.comm_timeout_s)
-    _ensure_process_group(timeout=timeout)
+    topo_mod.ensure_process_group(timeout=timeout)
     zero = cfg.zero_optimization
     topo = topo_mod.build(cfg.topology.ranks_per_node, zero.zero_hpz_partition_size, timeout=timeout)
     batch = cfg.resolve_batch(topo.world_size)
@@ -281,15 +222,16 @@ def initialize(
     residency = build_residency(zero, model, topo.world_size if zero.stage >= 1 else 1, compute_dtype, topo.rank)
     try:
         link = build_link(_model_device(model), offload or policy.offload_param, _pin_memory(zero))
-        engine = CheckpointingEngine(
-            model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
-            make_scheduler=_scheduler_factory(lr_scheduler, lambda opt: build_scheduler(cfg.scheduler, opt)),
-            trainable=trainable,
-            config=cfg,
-            param_init_fn=param_init_fn,
-            residency=residency,
-            link=link,
-        )
+        with init_context.paused():  # initialize inside zero.Init: the engine is not a module being built
+            engine = CheckpointingEngine(
+                model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
+                make_scheduler=_scheduler_factory(lr_scheduler, lambda opt: build_scheduler(cfg.scheduler, opt)),
+                trainable=trainable,
+                config=cfg,
+                param_init_fn=param_init_fn,
+                residency=residency,
+                link=link,
+            )
     except BaseException:
         residency.close()  # no offload file outlives a failed start
         raise
@@ -321,6 +263,7 @@ def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainP
         gather_granularity=zero.gather_granularity,
         prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
         max_live_parameters=zero.stage3_max_live_parameters,
+        broadcast_rank0=cfg.broadcast_rank0_weights,
     )
 
 

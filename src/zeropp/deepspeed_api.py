@@ -11,7 +11,7 @@ import datetime
 import os
 from typing import Any, Optional
 
-from zeropp.api import _ensure_process_group
+from zeropp.topology import ensure_process_group
 
 # deepspeed.<name> that scripts use and zeropp does not implement (yet)
 MISSING_MODULE_API = frozenset({
@@ -55,7 +55,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         kwargs["init_method"] = init_method
     if rank >= 0 and world_size > 0:
         kwargs.update(rank=rank, world_size=world_size)
-    _ensure_process_group(dist_backend, **kwargs)
+    ensure_process_group(dist_backend, **kwargs)
 
 
 def missing(name: str) -> NotImplementedError:

@@ -20,12 +20,15 @@ does exactly that, once. The resulting ``Topology`` is passed explicitly; there 
 """
 from __future__ import annotations
 
+import atexit
 import os
+import socket
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -41,7 +44,7 @@ class Group:
 
     The handle is held weakly: ``torch.distributed`` owns its process groups, and ``destroy_process_group``
     must be able to free them (gloo joins its worker threads only when a group is freed, Note [leaving the
-    process group] in ``api.py``). A group read after that raises instead of falling back to the default one.
+    process group] at :func:`ensure_process_group`). A group read after that raises instead of falling back to the default one.
     """
 
     __slots__ = ("ranks", "_ref")
@@ -168,6 +171,64 @@ class Topology:
         return self.layout.node_of(other_rank) == self.node
 
 
+def ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
+    """Join torchrun's process group (default backend: gloo for host tensors, NCCL for CUDA ones, chosen per
+    tensor where CUDA is present); without torchrun's environment and without ``init_method``/``rank``/
+    ``world_size`` a lone process forms a world of one. ``kwargs`` go to ``init_process_group``
+    (``init_method``, ``rank``, ``world_size``, ``timeout``)."""
+    if dist.is_initialized():
+        return
+    # Dynamo keeps references to a default group that exists when it is first imported (torch 2.13; every
+    # torch optimizer imports it), and that group could then never be freed: Note [leaving the process group].
+    import torch._dynamo  # noqa: F401
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if "RANK" not in os.environ and not (kwargs.keys() - {"timeout"}):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kwargs)
+    else:
+        store = _attempt_store(kwargs.get("timeout")) if not (kwargs.keys() - {"timeout"}) else None
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(backend, **kwargs)
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    """At interpreter exit, destroy the process group zeropp created (a script need not do it).
+
+    Note [leaving the process group]: gloo's worker threads drop a finished collective's tensors a moment
+    after its ``wait`` returns; when the last reference to a tensor is theirs, they take the GIL to free its
+    Python object. A script that ends right after its last collective can reach that while the interpreter
+    is finalizing, and the worker then aborts the process ("terminate called without an active exception",
+    a lost rank under torchrun: 5 of 40 launches of examples/deepspeed_train.py on 2 busy cores). A group
+    joins its workers only when it is freed (``shutdown`` leaves gloo's running), so ``Group`` holds its
+    handle weakly, Dynamo is imported before the default group exists (imported after, it holds references
+    to that group for good), and this hook destroys the groups while the interpreter is whole (torch
+    releases the GIL while it frees a group, so a worker waiting for it can finish). Peers are not waited
+    for: the teardown is local, and a barrier here would hang behind a rank that failed.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _attempt_store(timeout: Optional[timedelta]) -> Optional[dist.Store]:
+    """Under torchrun's agent, its store with a prefix per restart attempt.
+
+    The agent keeps one store for every restart of a job (``TORCHELASTIC_USE_AGENT_STORE``): a restarted
+    worker's gloo mesh would read the previous attempt's addresses from it and fail with "connection
+    refused". Keys under ``/zeropp/attempt_<TORCHELASTIC_RESTART_COUNT>`` keep each attempt apart, which is
+    what lets ``torchrun --max-restarts`` resume a job (tests/dist/test_faults.py).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout or timedelta(minutes=30))
+    return dist.PrefixStore(f"/zeropp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def default_ranks_per_node(world_size: int) -> int:
     """torchrun's LOCAL_WORLD_SIZE, or every rank on one node when it is not set."""
     value = os.environ.get("LOCAL_WORLD_SIZE")
@@ -224,6 +285,19 @@ def build(
     if layout.num_nodes > 1 and layout.ranks_per_node > 1:
         early = make_all([layout.inter_node_ranks(j) for j in range(layout.ranks_per_node)])
     return Topology(layout, rank, world, intra, inter, hpz, early)
+
+
+def world_only() -> Topology:
+    """This rank in the default group, for collectives over the whole world before ``initialize`` builds the
+    groups (construction: ``zero.Init``, loading a checkpoint into shards). Only ``world`` is a real group;
+    the node groups are this rank alone, and the node layout (torchrun's ``LOCAL_WORLD_SIZE``) serves only to
+    count bytes by link."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: launch with torchrun (or zeropp train)")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    layout = Layout(world_size, default_ranks_per_node(world_size))
+    me = Group((rank,))
+    return Topology(layout, rank, Group(tuple(range(world_size)), dist.group.WORLD), me, me, me)
 
 
 def _fake_world() -> tuple[int, int]:

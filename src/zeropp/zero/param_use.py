@@ -57,6 +57,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from zeropp.partition.access import (INPLACE_DUNDERS, METADATA, STORAGE_INFO, ParameterAccessError, call_args,
+                                     call_name)
 from zeropp.partition.unit import ParamSlot, Unit, UnitState
 from zeropp.zero import idle_watch
 
@@ -64,24 +66,6 @@ log = logging.getLogger("zeropp")
 
 # module -> parameters it reads although another module owns them (register_external_parameter)
 _EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]]" = weakref.WeakKeyDictionary()
-
-# calls on a parameter that read no element: no gather for these
-_METADATA = frozenset({
-    "shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad", "grad_fn", "names",
-    "is_cuda", "is_meta", "is_sparse", "is_quantized", "is_cpu", "_version", "size", "dim", "numel",
-    "nelement", "ndimension", "element_size", "is_floating_point", "is_complex", "is_contiguous", "stride",
-    "get_device", "__len__", "__hash__", "requires_grad_", "retain_grad", "register_hook",
-    "register_post_accumulate_grad_hook", "_backward_hooks", "_post_accumulate_grad_hooks",
-})
-# calls that read where a parameter's storage is, not its elements: harmless on a released one
-_STORAGE_INFO = frozenset({"untyped_storage", "data_ptr", "storage_offset", "is_pinned", "is_shared"})
-_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__",
-                              "__set__"})
-
-
-class ParameterAccessError(RuntimeError):
-    """A stage-3 parameter was used in a way the engine cannot serve (the message says which and why)."""
-
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     """Declare that ``module``'s forward reads ``param``, which another module owns (DeepSpeed's API).
@@ -103,29 +87,6 @@ def unregister_external_parameter(module: nn.Module, param: nn.Parameter) -> Non
     """Undo :func:`register_external_parameter`."""
     held = _EXTERNAL.get(module, [])
     held[:] = [p for p in held if p is not param]
-
-
-def _call_name(func: Any) -> str:
-    """The attribute a torch-function call stands for (``add_``, ``shape`` for a property getter)."""
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):
-        owner = getattr(func, "__self__", None)
-        attr = getattr(owner, "__name__", "")
-        return "__set__" if name == "__set__" and attr not in _METADATA else attr
-    return name
-
-
-def _call_args(args: tuple, kwargs: dict) -> Iterator[tuple[Any, bool]]:
-    """Each argument of a torch call (one level into lists and tuples, where parameters travel to ``cat`` or
-    ``stack``) and whether it is the first positional one (the tensor a method is called on)."""
-    for i, a in enumerate(args):
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                yield b, False
-        else:
-            yield a, i == 0
-    for v in kwargs.values():
-        yield v, False
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -346,15 +307,15 @@ class ParamUse:
         """Outside the passes: refuse a call that would read a released parameter's elements."""
         if self._active:
             return
-        for a, _ in _call_args(args, kwargs):
+        for a, _ in call_args(args, kwargs):
             self._check_idle_arg(func, a)
 
     def _check_idle_arg(self, func: Any, a: Any) -> None:
         hit = self._slot.get(id(a))
         if hit is None or hit[0].state is not UnitState.SHARDED:
             return
-        name = _call_name(func)
-        if name in _METADATA or name in _STORAGE_INFO:
+        name = call_name(func)
+        if name in METADATA or name in STORAGE_INFO:
             return
         unit, slot = hit
         raise ParameterAccessError(
@@ -368,7 +329,7 @@ class ParamUse:
     # ---- the torch-function check ------------------------------------------------------------------------
     def check_call(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Gather the released units whose parameters ``func`` reads; refuse in-place writes to them."""
-        for a, first in _call_args(args, kwargs):
+        for a, first in call_args(args, kwargs):
             self._check_arg(func, a, first)
         out = kwargs.get("out")
         if out is not None and id(out) in self._slot:
@@ -378,10 +339,10 @@ class ParamUse:
         hit = self._slot.get(id(a))
         if hit is None:
             return
-        name = _call_name(func)
-        if name in _METADATA:
+        name = call_name(func)
+        if name in METADATA:
             return
-        if first and ((name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS):
+        if first and ((name.endswith("_") and not name.startswith("__")) or name in INPLACE_DUNDERS):
             self._refuse(func, a)
         unit = hit[0]
         if unit.state is UnitState.SHARDED:
@@ -395,7 +356,7 @@ class ParamUse:
         reader = self._stack[-1][0] if self._stack else "<root>"
         raise ParameterAccessError(
             f"parameter {slot.name!r} (owned by module {unit.module_name or '<root>'!r}) was modified in place "
-            f"by {_call_name(func)!r} in the forward or backward of module {reader or '<root>'!r}; under ZeRO "
+            f"by {call_name(func)!r} in the forward or backward of module {reader or '<root>'!r}; under ZeRO "
             "stage 3 the gathered copy is dropped when the module's weights are released, so the change would "
             "be lost. Change weights outside the forward, inside zeropp.zero.GatheredParameters([param], "
             "modifier_rank=0), or use stage 0-2")
