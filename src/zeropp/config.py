@@ -154,6 +154,11 @@ class ZeroppConfig(Section):
     comm_timeout_s: Number = F(300.0, gt=0, doc="zeropp extension: seconds any collective may wait for the "
                                "other ranks before it fails with PeerLostError (a killed or lost rank never hangs "
                                "the rest).")
+    broadcast_rank0_weights: bool = F(True, doc="zeropp extension: at initialize every rank takes rank 0's "
+                                      "weights and buffers, unit by unit, as DeepSpeed broadcasts the model "
+                                      "(weights loaded on rank 0 only train as they should). false: each rank keeps "
+                                      "its own values, for models built identically; ranks that disagree then get "
+                                      "a RankDisagreementWarning naming a unit.")
     zero_force_ds_cpu_optimizer: bool = F(True, doc="DeepSpeed's guard that offload runs its own CPU Adam; "
                                           "zeropp runs Adam/AdamW sections as its CpuAdam under offload and a "
                                           "client optimizer as given.", status=STATUS_TUNING)

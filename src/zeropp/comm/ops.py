@@ -205,6 +205,25 @@ class Comm:
             self.ledger.record(phase, nbytes if same else 0, 0 if same else nbytes)
         self._run("broadcast", group, phase, False, lambda: dist.broadcast(t, src=src, group=group.handle))
 
+    def scatter(self, out: torch.Tensor, inp: Optional[torch.Tensor], src: int, group: Group,
+                phase: Phase = Phase.OTHER) -> None:
+        """Member ``i`` receives chunk ``i`` of global rank ``src``'s ``inp`` (``group.size`` equal chunks,
+        contiguous) into ``out``; ``inp`` is read on ``src`` only (None elsewhere)."""
+        me = self.topo.rank
+        if me == src and (inp is None or inp.numel() != group.size * out.numel()):
+            raise ValueError(f"scatter: the source needs {group.size} x {out.numel()} elements, got "
+                             f"{None if inp is None else inp.numel()}")
+        if group.size == 1:
+            out.view(-1).copy_(inp.view(-1))  # type: ignore[union-attr]
+            return
+        if me != src:
+            nbytes = out.numel() * out.element_size()
+            same = self.topo.same_node(src)
+            self.ledger.record(phase, nbytes if same else 0, 0 if same else nbytes)
+        pieces = list(inp.reshape(group.size, -1).unbind(0)) if me == src else None  # type: ignore[union-attr]
+        self._run("scatter", group, phase, False, lambda: dist.scatter(
+            out.view(-1), scatter_list=pieces, src=src, group=group.handle))
+
     def barrier(self, group: Optional[Group] = None) -> None:
         g = group or self.topo.world
         if g.size > 1:

@@ -69,9 +69,13 @@ class Unit:
         host_shard: bool = False,
         host_zeros: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
         staged_copy_back: bool = False,
+        chunks: Optional[list[Optional[torch.Tensor]]] = None,
     ) -> None:
         """Cut each parameter's chunk ``rank`` of ``world`` into the master row and free the full weights.
 
+        ``chunks`` gives a parameter's chunk where it does not come from the parameter's own values (rank 0's,
+        or a chunk partitioned at construction: ``partition/values.py``); None entries are cut from the
+        parameter.
         ``keep_shard=False`` (stages 0-2, whose full weights stay resident) keeps no 16-bit shard between
         steps: it is derived from the master when the weights are gathered after an optimizer step. In fp32
         the kept shard is the master itself unless ``alias_fp32_shard`` is False (delayed updates).
@@ -99,10 +103,11 @@ class Unit:
         host = torch.device("cpu")
         self._host_zeros = host_zeros
         self.master = self._zeros(self.row.numel, torch.float32, self.state_device)
-        for (name, p), off, c in zip(named_params, self.row.offsets, self.row.chunks):
+        given = chunks or [None] * len(named_params)
+        for (name, p), off, c, chunk in zip(named_params, self.row.offsets, self.row.chunks, given):
             spec = ShardSpec(p.numel(), p.shape, world)
             with torch.no_grad():
-                self.master[off : off + c].copy_(take_chunk(p.detach(), spec, rank, world))
+                self.master[off : off + c].copy_(take_chunk(p.detach(), spec, rank, world) if chunk is None else chunk)
             full = torch.zeros(spec.padded, dtype=compute_dtype, device=self.device)
             p.data = full[: spec.numel].view(spec.shape)
             self.slots.append(ParamSlot(name, p, spec, full, p.requires_grad))

@@ -48,11 +48,11 @@ class QuantizedFrozenUnit(FrozenUnit):
 
     def __init__(self, index: int, module_name: str, named_params: list[tuple[str, nn.Parameter]], world: int,
                  rank: int, compute_dtype: torch.dtype, bits: int, block: int,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, chunks: Optional[list[Optional[torch.Tensor]]] = None) -> None:
         self._dense: Optional[torch.Tensor] = None
         # the base class cuts the fp32 chunk into `master` (here: the transient dense row) and frees the weights
         super().__init__(index, module_name, named_params, world, rank, compute_dtype, keep_shard=False,
-                         device=device)
+                         device=device, chunks=chunks)
         self.fmt = WireFormat(BlockLayout(self.row.chunks, block), bits)
         self.qrow = torch.empty(self.fmt.row_bytes, dtype=torch.uint8, device=self.device)
         dense, self._dense, self._master_views = self._dense, None, []
@@ -121,9 +121,10 @@ class QuantizedFrozenUnits:
     block: int = 2048
 
     def make_unit(self, index: int, module_name: str, named_params: list[tuple[str, nn.Parameter]], world: int,
-                  rank: int, compute_dtype: torch.dtype) -> QuantizedFrozenUnit:
+                  rank: int, compute_dtype: torch.dtype,
+                  chunks: Optional[list[Optional[torch.Tensor]]] = None) -> QuantizedFrozenUnit:
         return QuantizedFrozenUnit(index, module_name, named_params, world, rank, compute_dtype, self.bits,
-                                   self.block)
+                                   self.block, chunks=chunks)
 
 
 class FrozenGather:

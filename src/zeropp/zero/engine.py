@@ -36,7 +36,9 @@ from zeropp.comm.strategy import GatherStrategy, PendingGather, ReduceStrategy
 from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition.assign import plan_units
+from zeropp.partition.construction import PARAMS
 from zeropp.partition.meta import MetaMaterializer
+from zeropp.partition.values import Plan, UnitValues, agreed_rng
 from zeropp.partition.unit import FrozenUnit, Unit, UnitState, check_requires_grad
 from zeropp.topology import Topology
 from zeropp.zero import gathered
@@ -86,7 +88,8 @@ class FrozenUnits(Protocol):
     """Builds the units of parameters frozen at ``initialize`` (``plus/frozen.py``: kept as int8 only)."""
 
     def make_unit(self, index: int, module_name: str, named_params: list[tuple[str, nn.Parameter]], world: int,
-                  rank: int, compute_dtype: torch.dtype) -> Unit: ...
+                  rank: int, compute_dtype: torch.dtype, chunks: Optional[list[Optional[torch.Tensor]]] = None
+                  ) -> Unit: ...
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class TrainPolicy:
     gather_granularity: str = "block"  # stage 3 units: one per block (ModuleList child) or per module
     prefetch_bucket_size: int = 50_000_000  # stage 3: most elements one prefetch may gather (0: none)
     max_live_parameters: int = 1_000_000_000  # stage 3: gathered + in-flight elements a prefetch may reach
+    broadcast_rank0: bool = True  # take rank 0's weights at construction (Note [one model at initialize])
 
 
 class _BackgroundUpdate:
@@ -243,30 +247,44 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
         self, module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]],
         trainable: Optional[set[int]],
     ) -> tuple[list[Unit], Optional[set[int]]]:
-        """Cut every unit's parameters into shards; a meta-device model is materialized unit by unit.
+        """Cut every unit's parameters into shards, with the values every rank agrees on (Note [one model at
+        initialize] in ``partition/values.py``); a meta-device model is materialized unit by unit.
 
         Returns the units and ``trainable`` with meta parameters' ids mapped to their replacements.
         """
         shard_rank = self.topo.rank if self.plan.shards_optimizer else 0
-        meta = MetaMaterializer(module, param_init_fn) if MetaMaterializer.needed(module) else None
+        plans = plan_units(module, self.policy.gather_granularity)
+        agreed = Plan.agree(self.comm, module, MetaMaterializer.needed(module), self.policy.broadcast_rank0)
+        meta = None
+        if agreed.meta_init or agreed.meta_alloc:
+            largest = max((sum(p.numel() for _, p in plan.params) for plan in plans), default=0)
+            meta = MetaMaterializer(module, param_init_fn, init=agreed.meta_init, rebuild_limit=largest)
+        values = UnitValues(self.comm, agreed)
         units: list[Unit] = []
-        for plan in plan_units(module, self.policy.gather_granularity):
+        with agreed_rng(self.comm) if agreed.meta_init else contextlib.nullcontext():
+            for plan in plans:
+                if meta is not None:
+                    plan = meta.realize(plan)
+                for params, frozen in self._split_frozen(plan.params):
+                    chunks = values.chunks(plan.module_name, params, self.shard_world, shard_rank)
+                    for _, p in params:
+                        PARAMS.adopt(p)  # the unit owns it from here
+                    unit = self._make_unit(len(units), plan.module_name, params, frozen, shard_rank, chunks)
+                    self.residency.adopt(unit)
+                    if self.plan.shards_weights:
+                        plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
+                        plan.module.register_forward_hook(self._make_post_forward(unit))
+                    for slot_index, slot in enumerate(unit.slots):
+                        if slot.param.requires_grad and self.plan.reduces_as_ready:
+                            slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
+                    units.append(unit)
             if meta is not None:
-                plan = meta.realize(plan)
-            for params, frozen in self._split_frozen(plan.params):
-                unit = self._make_unit(len(units), plan.module_name, params, frozen, shard_rank)
-                self.residency.adopt(unit)
-                if self.plan.shards_weights:
-                    plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
-                    plan.module.register_forward_hook(self._make_post_forward(unit))
-                for slot_index, slot in enumerate(unit.slots):
-                    if slot.param.requires_grad and self.plan.reduces_as_ready:
-                        slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
-                units.append(unit)
-        if meta is not None:
-            meta.finish()
-            if trainable is not None:
-                trainable = {id(meta.replaced[pid]) if pid in meta.replaced else pid for pid in trainable}
+                meta.finish()
+        values.finish(module)
+        if not len(PARAMS):
+            idle_watch.unwatch(PARAMS)  # nothing partitioned at construction is left unadopted
+        if meta is not None and trainable is not None:
+            trainable = {id(meta.replaced[pid]) if pid in meta.replaced else pid for pid in trainable}
         return units, trainable
 
     def _split_frozen(self, params: list[tuple[str, nn.Parameter]]) -> list[tuple[list, bool]]:
@@ -281,10 +299,10 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
         return [(part, part is frozen) for part in (trainable, frozen) if part]
 
     def _make_unit(self, index: int, module_name: str, params: list[tuple[str, nn.Parameter]], frozen: bool,
-                   shard_rank: int) -> Unit:
+                   shard_rank: int, chunks: Optional[list[Optional[torch.Tensor]]] = None) -> Unit:
         if frozen and self.strategies.frozen_units is not None:
             return self.strategies.frozen_units.make_unit(index, module_name, params, self.shard_world, shard_rank,
-                                                          self.policy.compute_dtype)
+                                                          self.policy.compute_dtype, chunks)
         # A delayed update writes the masters while the next forward gathers the shard, and NVMe moves
         # shards and masters separately: never alias them then. Masters on NVMe: keep a 16-bit shard to
         # rebuild resident weights from (stages 1-2). A frozen unit is never stepped: no upload to stage.
@@ -294,7 +312,8 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
                     keep_shard=self.plan.shards_weights or self.residency.swaps_states,
                     alias_fp32_shard=self.policy.delayed_update_after is None and not swaps,
                     host_masters=self.policy.offload_optimizer, host_shard=self.policy.offload_param,
-                    host_zeros=self.link.host_zeros, staged_copy_back=self.link.distinct and not frozen)
+                    host_zeros=self.link.host_zeros, staged_copy_back=self.link.distinct and not frozen,
+                    chunks=chunks)
 
     def _gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from zeropp.comm.ledger import Phase
+from zeropp.partition.construction import PARAMS
 from zeropp.partition.unit import ParamSlot, Unit, UnitState
 from zeropp.zero.param_use import register_external_parameter
 
@@ -31,6 +32,11 @@ _ENGINES: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()  # live engines, to 
 def track(engine: "ZeroEngine") -> None:
     """Called by each engine at construction, so GatheredParameters can find who manages a parameter."""
     _ENGINES.add(engine)
+
+
+def managed_ids() -> set[int]:
+    """The ids of the parameters that live engines manage."""
+    return {id(s.param) for engine in list(_ENGINES) for u in engine.units for s in u.slots}
 
 
 class _Opened:
@@ -88,7 +94,9 @@ class GatheredParameters:
     block together. ``modifier_rank=None`` gathers for reading; changes are discarded (and stages 0-2,
     whose weights are resident, do not see them either way). ``modifier_rank=r`` makes rank ``r``'s values
     at exit the parameters everywhere. ``fwd_module`` also registers the parameters as read by that module's
-    forward (:func:`register_external_parameter`). ``enabled=False`` does nothing. Parameters no engine
+    forward (:func:`register_external_parameter`). ``enabled=False`` does nothing. Parameters partitioned at
+    construction (``zero.Init``) and not yet handed to ``initialize`` are gathered from their chunks and
+    partitioned again at exit, from rank ``modifier_rank``'s values (or unchanged). Other parameters no engine
     manages are left alone, as DeepSpeed does.
     """
 
@@ -103,6 +111,7 @@ class GatheredParameters:
         self.fwd_module = fwd_module
         self.enabled = enabled
         self._opened: list[_Opened] = []
+        self._constructed: list[nn.Parameter] = []
 
     def __enter__(self) -> "GatheredParameters":
         if not self.enabled or not self.params:
@@ -110,6 +119,9 @@ class GatheredParameters:
         if self.fwd_module is not None:
             for p in self.params:
                 register_external_parameter(self.fwd_module, p)
+        self._constructed = [p for p in self.params if PARAMS.get(p) is not None]
+        for p in self._constructed:
+            PARAMS.gather(p).pins += 1
         ids = {id(p) for p in self.params}
         for engine in sorted(_ENGINES, key=id):  # one engine per model; sorted only for a fixed order
             if self.modifier_rank is not None and self.modifier_rank >= engine.topo.world_size:
@@ -121,6 +133,13 @@ class GatheredParameters:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         opened, self._opened = self._opened, []
+        constructed, self._constructed = self._constructed, []
+        for p in constructed:
+            rec = PARAMS.get(p)
+            if rec is not None:
+                rec.pins -= 1
+                if rec.pins == 0:  # an exception may be on one rank only: then no collective
+                    PARAMS.repartition(p, self.modifier_rank if exc_type is None else None)
         try:
             if exc_type is None and self.modifier_rank is not None:
                 for o in opened:

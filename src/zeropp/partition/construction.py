@@ -1,0 +1,207 @@
+"""Parameters partitioned at construction, before any engine exists (``zeropp.zero.Init``, sharded loading).
+
+Note [partitioned at construction]: a parameter partitioned here keeps its identity, its full shape and dtype
+(``p.shape`` is the model's shape, readable as metadata, as after ``initialize``); its data is a view of a
+padded full-size buffer whose storage is freed, as a released unit's (Note [shard layout] in ``spec.py``).
+What this rank holds of it is its chunk, in a table here keyed by the parameter, not an attribute on it.
+Partitioning takes rank 0's values: rank 0 scatters each parameter's chunks, so ranks that initialized
+differently (other seeds, weights loaded on rank 0 only) end with one model, as DeepSpeed's ``zero.Init``
+broadcasts from rank 0.
+
+A partitioned parameter is :attr:`State.PARTITIONED` or, while code reads or writes it during construction
+or inside ``GatheredParameters``, :attr:`State.GATHERED` (its storage holds the full values, gathered from
+every rank's chunk). :meth:`PartitionedParams.repartition` makes it partitioned again from the values of one
+rank (rank 0, or ``GatheredParameters``' modifier), or drops the gathered copy unchanged.
+``initialize`` takes each rank's chunk with :meth:`PartitionedParams.chunk` and adopts the parameter: from
+then on the engine owns it and this table forgets it.
+
+Every method that communicates is collective: all ranks call it for the same parameters in the same order,
+which construction code (the same ``__init__`` on every rank) does by nature.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, TypeVar
+
+import torch
+from torch import nn
+
+from zeropp.comm.ledger import CommLedger, Phase
+from zeropp.comm.ops import Comm
+from zeropp.partition.access import METADATA, STORAGE_INFO, ParameterAccessError, call_args, call_name
+from zeropp.partition.spec import ShardSpec, take_chunk
+from zeropp.topology import world_only
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _plain(fn: F) -> F:
+    """Run ``fn`` with torch-function handling off: this table's own tensor work is not the user's code that
+    the construction and idle modes watch (and it touches parameters whose storage is freed)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+    return run  # type: ignore[return-value]
+
+
+class State(enum.Enum):
+    PARTITIONED = "partitioned"
+    GATHERED = "gathered"
+
+
+@dataclass(eq=False)
+class Partitioned:
+    """This rank's part of one parameter partitioned at construction."""
+
+    label: str  # for messages: "Linear.weight" at construction, the model's name once known
+    spec: ShardSpec  # over the world
+    shard: torch.Tensor  # this rank's chunk (``spec.chunk`` elements, padding zero), the parameter's dtype
+    full: torch.Tensor  # the padded buffer the parameter's data views; storage freed while partitioned
+    state: State = State.PARTITIONED
+    pins: int = 0  # GatheredParameters holding it gathered
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.padded * self.full.element_size()
+
+
+class PartitionedParams:
+    """The parameters partitioned at construction on this rank, and the collectives that move them."""
+
+    def __init__(self, comm: Optional[Comm] = None) -> None:
+        self._comm = comm
+        self._records: dict[int, tuple[weakref.ref, Partitioned]] = {}
+
+    @property
+    def comm(self) -> Comm:
+        if self._comm is None:  # first use: the process group exists by now (zero.Init creates it)
+            self._comm = Comm(world_only(), CommLedger())
+        return self._comm
+
+    # ---- lookup -----------------------------------------------------------------------------------------------
+    def get(self, param: Any) -> Optional[Partitioned]:
+        hit = self._records.get(id(param))
+        return hit[1] if hit is not None and hit[0]() is param else None
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def _add(self, param: nn.Parameter, rec: Partitioned) -> None:
+        key = id(param)
+        self._records[key] = (weakref.ref(param, lambda _, k=key: self._records.pop(k, None)), rec)
+
+    # ---- partitioning -----------------------------------------------------------------------------------------
+    @_plain
+    def partition(self, params: Iterable[tuple[str, nn.Parameter]], dtype: Optional[torch.dtype] = None,
+                  shard_device: Optional[torch.device] = None) -> None:
+        """Partition ``params`` (those not partitioned yet) from rank 0's values; collective.
+
+        ``dtype`` casts floating-point parameters (``zero.Init(dtype=...)``); the chunk lives on
+        ``shard_device`` (default: the parameter's device).
+        """
+        comm = self.comm
+        world, rank = comm.topo.world_size, comm.topo.rank
+        for label, p in params:
+            if self.get(p) is not None:
+                continue
+            kind = dtype if dtype is not None and p.is_floating_point() else p.dtype
+            spec = ShardSpec(p.numel(), p.shape, world)
+            device = shard_device or p.device
+            shard = torch.zeros(spec.chunk, dtype=kind, device=device)
+            source = None
+            if rank == 0:
+                source = torch.zeros(spec.padded, dtype=kind, device=p.device)
+                source[: spec.numel].copy_(p.detach().reshape(-1))
+            comm.scatter(shard, source if source is None else source.to(device), 0, comm.topo.world)
+            self.place(p, label, shard, spec, p.device)
+
+    @_plain
+    def place(self, param: nn.Parameter, label: str, shard: torch.Tensor, spec: ShardSpec,
+              device: Optional[torch.device] = None) -> None:
+        """Record ``shard`` as this rank's chunk of ``param`` (no collective: every rank was handed its own,
+        e.g. read from a checkpoint); ``param`` keeps its identity and takes ``spec``'s shape and the chunk's
+        dtype, with no storage (on ``device``, default the chunk's)."""
+        if spec.world != self.comm.topo.world_size or shard.numel() != spec.chunk:
+            raise ValueError(f"{label}: a chunk of {shard.numel()} elements over {spec.world} ranks does not fit "
+                             f"{spec.chunk} elements over {self.comm.topo.world_size}")
+        full = torch.empty(spec.padded, dtype=shard.dtype, device=device or shard.device)
+        param.data = full[: spec.numel].view(spec.shape)
+        full.untyped_storage().resize_(0)
+        self._add(param, Partitioned(label, spec, shard, full))
+
+    @_plain
+    def gather(self, param: nn.Parameter) -> Partitioned:
+        """Give ``param`` its full values (all-gathered from every rank's chunk); collective."""
+        rec = self.get(param)
+        assert rec is not None
+        if rec.state is State.PARTITIONED:
+            rec.full.untyped_storage().resize_(rec.nbytes)
+            comm = self.comm
+            comm.all_gather(rec.full, rec.shard.to(rec.full.device), comm.topo.world, Phase.OTHER)
+            rec.state = State.GATHERED
+        return rec
+
+    @_plain
+    def repartition(self, param: nn.Parameter, src: Optional[int] = 0) -> None:
+        """Make a gathered ``param`` partitioned again: each rank's chunk from rank ``src``'s values, or
+        (``src=None``) the chunks as they were, the gathered values dropped; collective when ``src`` is set."""
+        rec = self.get(param)
+        if rec is None or rec.state is State.PARTITIONED:
+            return
+        if src is not None:
+            comm = self.comm
+            out = torch.empty_like(rec.shard, device=rec.full.device)
+            comm.scatter(out, rec.full if comm.topo.rank == src else None, src, comm.topo.world)
+            rec.shard.copy_(out)
+        rec.full.untyped_storage().resize_(0)
+        rec.state = State.PARTITIONED
+
+    def gathered(self) -> list[nn.Parameter]:
+        """The parameters gathered now, unpinned ones first, each group in the order they were recorded."""
+        out = [(ref(), rec) for ref, rec in self._records.values() if rec.state is State.GATHERED]
+        return [p for p, rec in sorted(out, key=lambda pr: pr[1].pins > 0) if p is not None]
+
+    # ---- the engine takes over -----------------------------------------------------------------------------
+    @_plain
+    def chunk(self, param: nn.Parameter, spec: ShardSpec, rank: int) -> torch.Tensor:
+        """This rank's chunk of ``param`` split as ``spec`` says (``initialize``); collective when ``spec``'s
+        world is not the one it was partitioned over (stage 0 keeps whole copies: gathered here)."""
+        rec = self.get(param)
+        assert rec is not None
+        self.repartition(param)  # a value written since: rank 0's, as any write at construction
+        if spec.world == rec.spec.world and rank == self.comm.topo.rank:
+            return rec.shard
+        self.gather(param)
+        try:
+            return take_chunk(rec.full[: rec.spec.numel], spec, rank, spec.world)
+        finally:
+            self.repartition(param, src=None)
+
+    def adopt(self, param: nn.Parameter) -> None:
+        """``initialize`` made ``param`` its own: forget it here."""
+        self._records.pop(id(param), None)
+
+    # ---- reads outside construction (Note [reads between passes] in zero/idle_watch.py) ---------------------
+    def check_idle(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Refuse a call that would read a partitioned parameter's elements (it has no storage)."""
+        for a, _ in call_args(args, kwargs):
+            rec = self.get(a) if isinstance(a, torch.Tensor) else None
+            if rec is None or rec.state is State.GATHERED:
+                continue
+            name = call_name(func)
+            if name in METADATA or name in STORAGE_INFO:
+                continue
+            raise ParameterAccessError(
+                f"parameter {rec.label!r} was partitioned over the ranks at construction (zeropp.zero.Init) and "
+                f"was read by {name!r} outside a module's __init__: this rank holds only its chunk. Read or change "
+                "it inside zeropp.zero.GatheredParameters(params, modifier_rank=0) entered on every rank, or "
+                "after zeropp.initialize through the engine")
+
+
+#: the one table of this process (construction is per process; an engine adopts what it trains)
+PARAMS = PartitionedParams()
