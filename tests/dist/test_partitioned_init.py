@@ -3,13 +3,12 @@ during construction comes near the full model, and every rank agrees on every va
 from __future__ import annotations
 
 import functools
-import os
-import resource
 
 import torch
 from torch import nn
 
 import zeropp
+from support.rss import MALLOC_ENV, current_rss, peak_rss, reset_peak_rss
 from support.world import run_world
 
 LAYERS, WIDTH, VOCAB = 24, 1024, 512
@@ -36,29 +35,6 @@ def fill(module: nn.Module) -> None:
     """A deterministic, position-dependent init, so the test can rebuild the exact values eagerly."""
     for name, p in module.named_parameters(recurse=False):
         p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (1 + len(name)) / p.shape[-1])
-
-
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's RSS high-water mark (VmHWM) to the current RSS; False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss(since_reset: bool) -> int:
-    """VmHWM after a reset, else ru_maxrss: the process's peak since start-up (which only over-counts)."""
-    if since_reset:
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
@@ -89,12 +65,6 @@ def construct(rank: int, world: int) -> dict:
     engine2, *_ = zeropp.initialize(model=small, config=CONFIG)
     return {"peak": peak, "state": state if rank == 0 else None, "loss": loss.item(),
             "held": engine.model_state_bytes()["total"], "default_init": engine2.consolidated_state_dict()}
-
-
-# glibc raises its mmap threshold as large blocks are freed and then serves multi-MB tensors from a heap that
-# long-lived shards fragment and that is never trimmed, so RSS would keep freed memory. A fixed threshold
-# returns every large freed tensor to the OS, which makes peak RSS measure peak live allocations.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024)}
 
 
 @functools.lru_cache(maxsize=None)
