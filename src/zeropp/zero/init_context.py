@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from zeropp.config import read_json
 from zeropp.partition.access import METADATA, STORAGE_INFO, call_args, call_name
 from zeropp.partition.construction import PARAMS, State
 from zeropp.topology import ensure_process_group
@@ -247,6 +248,8 @@ class Init:
                             ("data_parallel_group", data_parallel_group), *kwargs.items()):
             if value not in (None, False):
                 raise DeepSpeedAPIError(f"zero.Init({name}=...) is not implemented by zeropp yet")
+        if remote_device is None:
+            remote_device = _offload_param_device(config_dict_or_path if config_dict_or_path is not None else config)
         if remote_device not in (None, "cpu", "nvme", "none"):
             raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected None, 'cpu' or 'nvme'")
         if dtype is not None and not dtype.is_floating_point:
@@ -290,6 +293,17 @@ class Init:
             c.uninstall(clean=exc_type is None)
             if len(PARAMS):
                 idle_watch.watch(PARAMS)  # Note [reads between passes]: partitioned values refused by name
+
+
+def _offload_param_device(config: Any) -> Optional[str]:
+    """DeepSpeed's default ``remote_device``: the config's ``zero_optimization.offload_param.device``."""
+    if config is None:
+        return None
+    raw = read_json(os.fspath(config)) if isinstance(config, (str, os.PathLike)) else config
+    zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
+    offload = zero.get("offload_param") if isinstance(zero, dict) else None
+    device = offload.get("device") if isinstance(offload, dict) else None
+    return device if isinstance(device, str) else None
 
 
 def _ensure_group() -> None:
