@@ -234,7 +234,7 @@ def validate_manifest(raw: Any, path: str) -> None:
         if not isinstance(entry, dict):
             s.fail(where[:-1], f"must be an object, got {_short(entry)}")
         s.str(entry, "key", where)
-        if "param" in entry and entry["param"] not in names:
+        if "param" in entry and s.str(entry, "param", where) not in names:
             s.fail(where + "param", f"names no recorded parameter: {_short(entry['param'])}")
 
 
