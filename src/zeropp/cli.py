@@ -166,6 +166,34 @@ def verify_checkpoint(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _convert_parser(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser(
+        "convert-checkpoint",
+        help="rewrite a checkpoint of an older zeropp (pickled shards) as safetensors + JSON",
+        description="Checkpoints of format versions 1 and 2 hold pickled shard files, which zeropp no longer "
+        "loads when they hold more than tensors and plain data: unpickling runs whatever code the file holds. "
+        "This command unpickles them once and rewrites each tag of DIR (or --tag) in format version 3, which "
+        "holds no code. Run it only on a checkpoint whose origin you trust, and say so with --trust-pickle.",
+    )
+    p.add_argument("ckpt_dir", metavar="DIR", help="the save_dir given to save_checkpoint")
+    p.add_argument("--tag", default=None, help="convert this tag only (default: every tag in DIR)")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="required: you trust that nobody could have put code into DIR's shard files")
+
+
+def convert_checkpoint(args: argparse.Namespace) -> int:
+    from zeropp.checkpoint import CheckpointError
+    from zeropp.checkpoint.convert import convert_checkpoint as run_convert
+
+    try:
+        done = run_convert(args.ckpt_dir, args.tag, trust_pickle=args.trust_pickle)
+    except CheckpointError as err:
+        print(f"zeropp convert-checkpoint: {err}", file=sys.stderr)
+        return 1
+    print(f"converted {len(done)} tag(s) to format version 3: {', '.join(done) or 'none needed'}")
+    return 0
+
+
 def _bench_parser(sub: "argparse._SubParsersAction") -> None:
     from zeropp.cluster_bench.run import parser as bench_parser
 
@@ -200,6 +228,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _consolidate_parser(sub)
+    _convert_parser(sub)
     _verify_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
@@ -208,6 +237,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return train(args)
     if args.command == "consolidate":
         return consolidate(args)
+    if args.command == "convert-checkpoint":
+        return convert_checkpoint(args)
     if args.command == "verify-checkpoint":
         return verify_checkpoint(args)
     if args.command == "bench":

@@ -29,11 +29,12 @@ import torch.distributed as dist
 
 import zeropp
 from support.ckpt_fuzz import ALWAYS_INVALID, mutate, plan
-from support.ckpt_handmade import read_raw, to_version_1, write_raw
+from support.ckpt_handmade import read_raw, to_legacy, write_raw
 from support.ckpt_worlds import SCHED, run_steps
 from support.models import TiedNet
 from support.train import config
 from zeropp.checkpoint import CheckpointWarning, load_full_checkpoint
+from zeropp.checkpoint.convert import convert_checkpoint
 from zeropp.checkpoint.format import FAULT_ENV, LATEST, MANIFEST, shard_name
 
 CFG = {**config(4), "scheduler": SCHED}
@@ -116,10 +117,11 @@ CORRUPTIONS: dict[str, tuple[Callable[[str], None], str, str]] = {
     "bitflip_rank1": (lambda d: _flip(_shard(d, "s2", 1)), shard_name(1), "corrupted|checksum mismatch"),
     "missing": (lambda d: os.unlink(_shard(d, "s2", 1)), shard_name(1), "missing"),
     "extra": (lambda d: shutil.copy(_shard(d, "s2", 1), _shard(d, "s2", 2)), shard_name(2), "unexpected"),
+    # another save's file differs in its digest, or already in its size (its JSON holds other counters)
     "foreign_shard": (lambda d: shutil.copy(_shard(d, "s1", 1), _shard(d, "s2", 1)), shard_name(1),
-                      "corrupted|checksum mismatch"),
+                      "corrupted|checksum mismatch|truncated|longer than recorded"),
     "foreign_manifest": (lambda d: shutil.copy(os.path.join(d, "s1", MANIFEST), os.path.join(d, "s2", MANIFEST)),
-                         "shard_rank0000", "corrupted|checksum mismatch"),
+                         "shard_rank0000", "corrupted|checksum mismatch|truncated|longer than recorded"),
     "nonsense_manifest": (_nonsense, MANIFEST, "key 'shards\\[0\\].bytes' must be an integer >= 0"),
     "edited_manifest": (_edited, MANIFEST, "altered after the save"),
 }
@@ -262,7 +264,10 @@ def _fallbacks(victim: Any, rank: int, root: str, run: str, states: dict) -> dic
         "corrupt_latest": lambda d: _flip(_shard(d, "s2", 1)),
         "deleted_latest": lambda d: shutil.rmtree(os.path.join(d, "s2")),
         "all_damaged": lambda d: (_flip(_shard(d, "s2", 1)), os.truncate(_shard(d, "s1", 0), 10)),
-        "version_1": lambda d: to_version_1(os.path.join(d, "s2")),
+        # an older zeropp's pickles: refused (weights_only), then loadable once converted
+        "version_1": lambda d: to_legacy(os.path.join(d, "s2"), 1),
+        "version_1_converted": lambda d: (to_legacy(os.path.join(d, "s2"), 1),
+                                          convert_checkpoint(d, "s2", trust_pickle=True)),
     }
     out = {}
     for name, damage in cases.items():

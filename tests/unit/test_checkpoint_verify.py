@@ -195,7 +195,7 @@ NONSENSE = [
     ("shards.0.bytes", -5, "shards[0].bytes' must be an integer >= 0"),
     ("shards.1.bytes", "12", "shards[1].bytes' must be an integer"),
     ("shards.0.sha256", "xyz", "shards[0].sha256' must be a matching string"),
-    ("shards.1.file", "../../etc/passwd", "shards[1].file' must be 'shard_rank00001.pt'"),
+    ("shards.1.file", "../../etc/passwd", "shards[1].file' must be 'shard_rank00001.safetensors'"),
     ("shards.1.rank", 0, "shards[1].rank' must be 1"),
     ("shards", [], "shards' has 0 entries, but topology.world_size is 2"),
     ("topology.world_size", 3, "shards' has 2 entries, but topology.world_size is 3"),
@@ -295,6 +295,8 @@ def test_torn_save_leftovers_are_notes_not_problems(ckpt):
 
 # ---- version 1 -------------------------------------------------------------------------------------------
 def test_version_1_loads_with_a_warning_that_it_cannot_be_verified(ckpt, capsys):
+    shutil.rmtree(os.path.join(ckpt, "new"))
+    make_checkpoint(ckpt, "new", seed=2, created=2000.0, version=2)  # pickled shards, as versions 1 and 2 wrote
     to_version_1(os.path.join(ckpt, "new"))
     with pytest.warns(CheckpointWarning, match="format version 1: .*no checksums"):
         assert _same(load_full_checkpoint(ckpt).state_dict, full_state(2))
@@ -302,7 +304,7 @@ def test_version_1_loads_with_a_warning_that_it_cannot_be_verified(ckpt, capsys)
     assert report.ok and report.version == 1 and any("no checksums" in n for n in report.notes)
     assert cli.main(["verify-checkpoint", ckpt]) == 0
     assert "format version 1 has no checksums" in capsys.readouterr().out
-    os.truncate(_shard(ckpt, "new", 0), 100)  # sizes are still checked
+    os.truncate(os.path.join(ckpt, "new", shard_name(0, 1)), 100)  # sizes are still checked
     with pytest.raises(IntegrityError, match="truncated"), warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
         load_full_checkpoint(ckpt, tag="new")
@@ -343,7 +345,7 @@ def test_a_rank_that_did_not_fail_names_the_other_ranks_file_and_problem():
     err = CheckpointError("x", file=shard_name(1), problem="write failed", errno=errno.ENOSPC)
     row = collective._row(err) + collective.written_row(None)
     engine = _engine(0, row)
-    with pytest.raises(CheckpointError, match=r"failed on rank\(s\) \[1\]; rank 1: /tmp/t/shard_rank00001.pt: "
+    with pytest.raises(CheckpointError, match=r"failed on rank\(s\) \[1\]; rank 1: /tmp/t/shard_rank00001.safetensors: "
                                               "no space left on device") as info:
         collective.agree(engine, None, "writing", lambda n: f"/tmp/t/{n}", collective.written_row(None))
     assert not isinstance(info.value, IntegrityError)

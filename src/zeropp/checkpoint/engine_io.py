@@ -21,7 +21,8 @@ optimizer state laid out like the chunk (Adam's ``exp_avg``/``exp_avg_sq``) by s
 files one at a time (``reshard.read_ranges``); scalars (Adam's ``step``), the scheduler and the counters
 come from rank 0's file. RNG states are per rank and are only restored on the same world size.
 
-Every file is verified before it is unpickled (Note [checkpoint verification] in ``format.py``) and every
+Every file is verified before it is read, and nothing read is unpickled: a shard is tensors and JSON (Note
+[data, not code] in ``safe_io.py``; Note [checkpoint verification] in ``format.py``), and every
 step that can fail ends in an agreement of all ranks (Note [one outcome for all ranks] in
 ``collective.py``); loading ``latest`` falls back past a damaged tag (``resolve.py``).
 """
@@ -50,6 +51,7 @@ from zeropp.checkpoint.format import (
 )
 from zeropp.checkpoint.manifest import Manifest, read_manifest, seal
 from zeropp.checkpoint.reshard import read_ranges
+from zeropp.checkpoint.safe_io import encode, write_tree
 from zeropp.checkpoint.verify import check_files, open_shard
 from zeropp.plus.loco import Shape, map_states
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
@@ -94,11 +96,43 @@ def _buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
 
 
 # ---- save ------------------------------------------------------------------------------------------------
+def rng_as_data(rng: dict) -> dict:
+    """Random states as tensors and plain numbers (Note [data, not code] in ``safe_io.py``): Python's and NumPy's
+    state tuples (a NumPy array among them) become dicts of tensors; a state already in that form is kept."""
+    out = dict(rng)
+    py, nump = rng.get("python"), rng.get("numpy")
+    if isinstance(py, tuple):
+        version, mt, gauss = py
+        out["python"] = {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss}
+    if isinstance(nump, tuple):
+        kind, keys, pos, has_gauss, cached = nump
+        out["numpy"] = {"kind": kind, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return out
+
+
 def _rng_state() -> dict:
-    out = {"torch_cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This rank's random states (CPU, CUDA, Python, NumPy), as data."""
+    out: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate(),
+                           "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["torch_cuda"] = torch.cuda.get_rng_state_all()
-    return out
+    return rng_as_data(out)
+
+
+def _set_rng_state(rng: dict) -> None:
+    """Restore what :func:`_rng_state` saved (or a format-2 shard's tuples)."""
+    torch.set_rng_state(rng["torch_cpu"])
+    py, nump = rng["python"], rng["numpy"]
+    if isinstance(py, dict):
+        py = (py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"])
+    random.setstate(py)
+    if isinstance(nump, dict):
+        nump = (nump["kind"], nump["keys"].numpy().astype(np.uint32), nump["pos"], nump["has_gauss"],
+                nump["cached_gaussian"])
+    np.random.set_state(nump)
+    if "torch_cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["torch_cuda"])
 
 
 def _shard_payload(engine: ZeroEngine, params: list[_Param], client_state: Any, nonce: str) -> dict:
@@ -193,7 +227,8 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None
     try:
         os.makedirs(tmp_dir, exist_ok=True)
         payload = _shard_payload(engine, params, client_state, nonce)
-        written = atomic_write(path, lambda f: torch.save(payload, f), point="shard", rank=rank)
+        encode(client_state, "client_state")  # refused by name before a byte is written (UnstorableError)
+        written = atomic_write(path, lambda f: write_tree(f, payload, "shard"), point="shard", rank=rank)
         crash_point("shard_written", rank)
     except CheckpointError as err:  # a failed write: names the file and the cause (ENOSPC ...)
         error = err
@@ -335,11 +370,7 @@ def _apply(engine: ZeroEngine, params: list[_Param], loaded: _Loaded, what: "_Wh
     engine.micro_steps = int(loaded.counters["micro_steps"])
     engine.global_steps = int(loaded.counters["global_steps"])
     if loaded.rng is not None:
-        torch.set_rng_state(loaded.rng["torch_cpu"])
-        random.setstate(loaded.rng["python"])
-        np.random.set_state(loaded.rng["numpy"])
-        if "torch_cuda" in loaded.rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(loaded.rng["torch_cuda"])
+        _set_rng_state(loaded.rng)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ A checkpoint directory ``save_dir`` holds one directory per tag and a ``latest``
       global_step20/
         manifest.json             # rank 0: format version, config, topology, parameters and shard layout,
                                   #   every shard's size and SHA-256, the save's nonce, its own SHA-256
-        shard_rank00000.pt        # rank r: fp32 master chunks, optimizer/scheduler state, counters, RNG
-        shard_rank00001.pt
+        shard_rank00000.safetensors   # rank r: fp32 master chunks, optimizer/scheduler state, counters, RNG:
+        shard_rank00001.safetensors   #   tensors as safetensors, the rest as JSON (Note [data, not code])
         ...
 
 Note [checkpoint atomicity]: a tag is written into ``save_dir/.<tag>.tmp-<nonce>`` (a hidden name, one nonce
@@ -32,13 +32,19 @@ file; the save then fails on every rank and rank 0 removes the temporary directo
 ``latest`` stay as they were.
 
 Note [checkpoint verification]: format version 2 makes a tag self-checking. Each shard's size and SHA-256
-are in the manifest, so a truncated, bit-flipped or swapped-in shard is caught before ``torch.load`` ever
-sees its bytes; the save's nonce is in the manifest and in every shard, so files of two saves never mix
+are in the manifest, so a truncated, bit-flipped or swapped-in shard is caught before its bytes are read; the save's nonce is in the manifest and in every shard, so files of two saves never mix
 unnoticed; the manifest carries the SHA-256 of its own canonical JSON (``manifest.py``), so an edit to it
 is caught too. What fails these checks raises :class:`IntegrityError`, and only that kind of error makes
 loading ``latest`` fall back to an older tag (``resolve.py``); a checkpoint that is intact but does not fit
 the model raises a plain :class:`CheckpointError` and never falls back. Version-1 tags (sizes only) still
 load, with a :class:`CheckpointWarning` that they cannot be verified.
+
+Format version 3 holds no pickle: a digest cannot make one safe (whoever can write the directory can
+recompute it), so shards are data only (Note [data, not code] in ``safe_io.py``). Tags of versions 1 and 2
+(``shard_rankNNNNN.pt``, pickles) are read with ``torch.load(weights_only=True)``, which runs no code and
+refuses anything beyond tensors and plain data; what it refuses (zeropp's shards hold NumPy's RNG state) is a
+:class:`LegacyPickleError` naming the file and the explicit conversion, ``zeropp convert-checkpoint
+--trust-pickle DIR``, for checkpoints whose origin the user trusts.
 """
 from __future__ import annotations
 
@@ -49,7 +55,9 @@ import signal
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional
 
-FORMAT_VERSION = 2  # 2: shard sizes + SHA-256, the save's nonce and the manifest's own SHA-256 (1: sizes only)
+# 3: shards are safetensors + JSON, no pickle; 2: shard sizes + SHA-256, the save's nonce and the manifest's own
+# SHA-256 (1: sizes only); 1 and 2 are pickles (read with weights_only=True, or converted)
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 LATEST = "latest"
 SHARD_PREFIX = "shard_"  # every file in a tag directory that starts with this must be a recorded shard
@@ -76,19 +84,25 @@ class IntegrityError(CheckpointError):
     verification]); loading ``latest`` falls back past such a tag, never past any other error."""
 
 
+class LegacyPickleError(CheckpointError):
+    """A shard of format version 1 or 2 (a pickle) that ``torch.load(weights_only=True)`` refuses; the message
+    names the file and the command that converts the checkpoint once its origin is trusted."""
+
+
 class CheckpointWarning(UserWarning):
     """A checkpoint was loaded in a way the caller should know about: an older tag than ``latest``, an
     unverifiable version-1 tag, or nothing at all (a first launch)."""
 
 
-def shard_name(rank: int) -> str:
-    return f"shard_rank{rank:05d}.pt"
+def shard_name(rank: int, version: int = FORMAT_VERSION) -> str:
+    """Rank ``rank``'s shard file name in a tag of format ``version`` (``.pt`` pickles before version 3)."""
+    return f"shard_rank{rank:05d}{'.safetensors' if version >= 3 else '.pt'}"
 
 
 def shard_rank_of(name: str) -> Optional[int]:
-    """The rank whose shard file is called ``name``, or None for any other name."""
-    digits = name.removeprefix("shard_rank").removesuffix(".pt")
-    if len(digits) == 5 and digits.isdigit() and name == shard_name(int(digits)):
+    """The rank whose shard file is called ``name`` (any format version), or None for any other name."""
+    digits = name.removeprefix("shard_rank").removesuffix(".pt").removesuffix(".safetensors")
+    if len(digits) == 5 and digits.isdigit() and name in (shard_name(int(digits)), shard_name(int(digits), 2)):
         return int(digits)
     return None
 
@@ -335,19 +349,42 @@ def resolve_tag_dir(load_dir: str, tag: str) -> tuple[str, str]:
 
 
 def load_shard(path: str, mmap: bool = False) -> dict:
-    """Read one shard file, naming it in the error when it cannot be read (zeropp's own pickles: trusted).
+    """Read one shard file, naming it in the error when it cannot be read; never runs code from it.
 
-    Callers verify the file's size and SHA-256 first (``verify.open_shard``), so a damaged file never
-    reaches ``torch.load``.
+    A version-3 shard is parsed as data (``safe_io.read_tree``); an older one (a pickle) goes through
+    ``torch.load(weights_only=True)``, and what that refuses is a :class:`LegacyPickleError`. Callers verify the
+    file's size and SHA-256 first (``verify.open_shard``), so a damaged file is caught before it is parsed.
     """
-    import torch
+    from zeropp.checkpoint.safe_io import read_tree
 
-    try:
-        shard = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except Exception as err:  # a torn zip, a bad pickle, an I/O error: all name the file
-        raise IntegrityError(f"cannot read shard file {path}: {type(err).__name__}: {err}",
-                             file=os.path.basename(path), problem="unreadable") from err
+    name = os.path.basename(path)
+    if path.endswith(".safetensors"):
+        shard = read_tree(path, use_mmap=mmap, fail=lambda why: IntegrityError(
+            f"cannot read shard file {path}: {why}", file=name, problem="unreadable"))
+    else:
+        shard = _load_legacy(path, mmap)
     if not isinstance(shard, dict):
         raise IntegrityError(f"shard file {path} holds a {type(shard).__name__}, not a zeropp shard",
-                             file=os.path.basename(path), problem="unreadable")
+                             file=name, problem="unreadable")
     return shard
+
+
+def _load_legacy(path: str, mmap: bool) -> Any:
+    import pickle
+
+    import torch
+
+    name = os.path.basename(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:  # weights_only refused something: no code ran
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LegacyPickleError(
+            f"shard file {path} is a pickle (checkpoint format version 1 or 2) holding more than tensors and plain "
+            f"data, so zeropp will not load it: unpickling runs code, and anyone who could write the checkpoint "
+            f"directory could have put code there [{first}]. If you trust where this checkpoint comes from, "
+            f"convert it once: zeropp convert-checkpoint --trust-pickle {os.path.dirname(os.path.dirname(path))}",
+            file=name, problem="legacy pickle") from err
+    except Exception as err:  # a torn zip, an I/O error: name the file
+        raise IntegrityError(f"cannot read shard file {path}: {type(err).__name__}: {err}",
+                             file=name, problem="unreadable") from err

@@ -250,8 +250,8 @@ def _validate_shards(s: _Schema, raw: dict, world: int, version: int) -> list[in
             s.fail(where[:-1], f"must be an object, got {_short(entry)}")
         if s.int(entry, "rank", where) != rank:
             s.fail(where + "rank", f"must be {rank}, got {_short(entry['rank'])}")
-        if s.str(entry, "file", where) != shard_name(rank):
-            s.fail(where + "file", f"must be {shard_name(rank)!r}, got {_short(entry['file'])}")
+        if s.str(entry, "file", where) != shard_name(rank, version):
+            s.fail(where + "file", f"must be {shard_name(rank, version)!r}, got {_short(entry['file'])}")
         sizes.append(s.int(entry, "bytes", where))
         if version >= 2:
             s.str(entry, "sha256", where, pattern=_HEX64)

@@ -5,7 +5,7 @@
   The engine's load runs it on rank 0 only, and the agreement tells the others (Note [one outcome for all
   ranks]); every rank checks what it opens anyway, so the world's ranks make O(world) stats, not O(world²);
 - :func:`verify_shard`: one file's size and SHA-256, what a rank checks of each file it is about to read;
-- :func:`open_shard`: verify, ``torch.load``, then check that the payload belongs where the manifest puts it
+- :func:`open_shard`: verify, read (as data: Note [data, not code] in ``safe_io.py``), then check that the payload belongs where the manifest puts it
   (the save's nonce, the rank, the world size);
 - :func:`verify_checkpoint` / :func:`verify_report`: all of it for a whole tag plus the ``latest`` pointer,
   without a process group (``zeropp verify-checkpoint``).
@@ -20,7 +20,7 @@ from typing import Optional
 
 from zeropp.checkpoint.format import (
     LATEST, SHARD_PREFIX, CheckpointError, CheckpointWarning, IntegrityError, list_tags, load_shard,
-    resolve_tag_dir, sha256_file, shard_name,
+    resolve_tag_dir, sha256_file,
 )
 from zeropp.checkpoint.manifest import Manifest, read_manifest
 from zeropp.checkpoint.resolve import follow_latest
@@ -53,7 +53,8 @@ def file_problems(manifest: Manifest) -> list[IntegrityError]:
         if name.startswith(SHARD_PREFIX) and name not in expected:
             out.append(IntegrityError(
                 f"unexpected shard file {os.path.join(manifest.tag_dir, name)}: {manifest.path} records {world} "
-                f"shard file(s), {shard_name(0)} to {shard_name(world - 1)}", file=name, problem="unexpected"))
+                f"shard file(s), {manifest.shards[0].file} to {manifest.shards[-1].file}", file=name,
+                problem="unexpected"))
     return out
 
 
