@@ -194,6 +194,38 @@ def convert_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_parser(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser(
+        "export-deepspeed",
+        help="write a zeropp checkpoint as a DeepSpeed ZeRO-3 checkpoint",
+        description="Write tag --tag (default: the one SRC/latest names) of zeropp checkpoint SRC as the files "
+        "DeepSpeed 0.19.8 writes for ZeRO stage 3 on N data-parallel ranks (DST/latest, "
+        "DST/global_stepK/zero_pp_rank_R_mp_rank_00_{model,optim}_states.pt), so that DeepSpeed's "
+        "engine.load_checkpoint(DST) continues the run. N is DeepSpeed's data-parallel size: its stage 3 loads "
+        "only at the size it saved. State DeepSpeed's format cannot hold (LoCo's errors, int8 frozen weights, "
+        "hpZ) is refused by name unless --drop-unsupported.",
+    )
+    p.add_argument("src", metavar="SRC", help="the zeropp checkpoint directory (save_dir of save_checkpoint)")
+    p.add_argument("dst", metavar="DST", help="the DeepSpeed checkpoint directory to write")
+    p.add_argument("--world-size", type=_positive, required=True, help="DeepSpeed's data-parallel size N")
+    p.add_argument("--tag", default=None, help="tag of SRC to export (default: the one SRC/latest names)")
+    p.add_argument("--drop-unsupported", action="store_true",
+                   help="export without what DeepSpeed's format cannot hold, with a warning for each")
+
+
+def export_deepspeed(args: argparse.Namespace) -> int:
+    from zeropp.checkpoint import CheckpointError
+    from zeropp.checkpoint.deepspeed_io import export_deepspeed as run_export
+
+    try:
+        out = run_export(args.src, args.dst, args.world_size, args.tag, args.drop_unsupported)
+    except (CheckpointError, ValueError, OSError) as err:
+        print(f"zeropp export-deepspeed: {err}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
 def _bench_parser(sub: "argparse._SubParsersAction") -> None:
     from zeropp.cluster_bench.run import parser as bench_parser
 
@@ -229,6 +261,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _train_parser(sub)
     _consolidate_parser(sub)
     _convert_parser(sub)
+    _export_parser(sub)
     _verify_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
@@ -237,6 +270,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return train(args)
     if args.command == "consolidate":
         return consolidate(args)
+    if args.command == "export-deepspeed":
+        return export_deepspeed(args)
     if args.command == "convert-checkpoint":
         return convert_checkpoint(args)
     if args.command == "verify-checkpoint":

@@ -1,5 +1,5 @@
 """Loading a checkpoint never runs code from it (Note [data, not code] in checkpoint/safe_io.py): a crafted
-pickle put in place of each kind of file zeropp reads, with the manifest's digests recomputed as a careful
+pickle put in place of each kind of file zeropp reads (its own, and DeepSpeed's), with the manifest's digests recomputed as a careful
 attacker would, never runs its payload; the shard format round-trips what a shard holds; older pickled
 checkpoints load through ``weights_only`` or are refused with the command that converts them."""
 from __future__ import annotations
@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from support.ckpt_handmade import full_state, make_checkpoint, read_raw, write_raw
 from zeropp import cli
-from zeropp.checkpoint import CheckpointError, load_full_checkpoint, verify_report
+from zeropp.checkpoint import (
+    CheckpointError, deepspeed_format, get_fp32_state_dict_from_zero_checkpoint, load_full_checkpoint, verify_report,
+)
 from zeropp.checkpoint.format import LATEST, MANIFEST, LegacyPickleError, sha256_file, shard_name
 from zeropp.checkpoint.safe_io import UnstorableError, decode, encode, read_tree, write_tree
 
@@ -146,3 +149,25 @@ def test_a_non_shard_file_is_an_error_that_names_it(tmp_path):
         with pytest.raises(ValueError):
             read_tree(str(path))
     shutil.rmtree(tmp_path)
+
+
+DS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "deepspeed")
+
+
+def test_a_crafted_deepspeed_file_never_runs(tmp_path, marker):
+    case = tmp_path / "stage2_fp32"
+    shutil.copytree(os.path.join(DS, "stage2_fp32"), case)
+    target = case / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    craft(str(target), marker)
+    with pytest.raises(CheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt: not loaded"):
+        deepspeed_format.read(deepspeed_format.deepspeed_tag_dir(str(case), None))
+    with pytest.raises(CheckpointError, match="not loaded"):
+        get_fp32_state_dict_from_zero_checkpoint(str(case))
+    assert not os.path.exists(marker)
+
+
+@pytest.mark.parametrize("case", ["stage2_fp32", "stage2_bf16", "stage3_fp32", "stage3_bf16"])
+def test_deepspeed_fp32_weights_equal_zero_to_fp32s(case):
+    want = load_file(os.path.join(DS, case, "reference", "fp32_weights.safetensors"))
+    got = get_fp32_state_dict_from_zero_checkpoint(os.path.join(DS, case))
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())

@@ -8,7 +8,7 @@ of its names, buffers as rank 0 held them — so ``model.load_state_dict`` takes
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -28,13 +28,15 @@ class FullCheckpoint:
     """A checkpoint read back whole: the fp32 state dict and, if asked, each parameter's optimizer state.
 
     ``optimizer[name]`` maps a state key to a tensor shaped like the parameter (``exp_avg``, ``exp_avg_sq``)
-    or to a scalar (``step``). ``manifest`` is the tag's parsed manifest.
+    or to a scalar (``step``). ``manifest`` is the tag's parsed manifest; ``rank0`` rank 0's shard without its
+    bulk tensors (scheduler, counters, buffers, the optimizer's ``param_groups``, reduce and frozen state).
     """
 
     state_dict: dict[str, torch.Tensor]
     optimizer: dict[str, dict[str, object]]
     manifest: Manifest
     client_state: object = None
+    rank0: dict = field(default_factory=dict)  # rank 0's shard without its bulk tensors (scheduler, counters...)
 
 
 def load_full_checkpoint(ckpt_dir: str, tag: Optional[str] = None, with_optimizer: bool = False) -> FullCheckpoint:
@@ -66,12 +68,22 @@ def _read_full(tag_dir: str, with_optimizer: bool) -> FullCheckpoint:
                for k, v in st.items()}
         for name, st in got.optimizer.items()
     }
-    return FullCheckpoint(state, optimizer, manifest, got.rank0.get("client_state"))
+    return FullCheckpoint(state, optimizer, manifest, got.rank0.get("client_state"), got.rank0)
 
 
 def get_fp32_state_dict_from_zero_checkpoint(ckpt_dir: str, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict of a checkpoint (DeepSpeed's name for the same helper)."""
-    return load_full_checkpoint(ckpt_dir, tag).state_dict
+    """The full fp32 state dict of a zeropp checkpoint, or of a DeepSpeed ZeRO checkpoint (what DeepSpeed's
+    ``zero_to_fp32`` gives: the fp32 masters, tied aliases, frozen parameters and buffers), by DeepSpeed's name."""
+    from zeropp.checkpoint import deepspeed_format
+
+    ds_tag = deepspeed_format.deepspeed_tag_dir(ckpt_dir, tag)
+    if ds_tag is None:
+        return load_full_checkpoint(ckpt_dir, tag).state_dict
+    ds = deepspeed_format.read(ds_tag)
+    state = {**ds.params, **ds.frozen}
+    state.update({alias: state[name] for alias, name in ds.shared.items() if name in state})
+    state.update({k: (v.float() if v.is_floating_point() else v) for k, v in ds.buffers.items()})
+    return state
 
 
 def write_state_dict(state: dict[str, torch.Tensor], out_path: str) -> str:

@@ -45,6 +45,7 @@ from zeropp.checkpoint.collective import agree, agreed_load, shared_nonce, writt
 from zeropp.checkpoint.fit import (
     check_buffers, check_model, check_param_groups, check_reshardable, check_shard_fits,
 )
+from zeropp.checkpoint.deepspeed_format import deepspeed_tag_dir
 from zeropp.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, Written, atomic_write, atomic_write_text, check_tag,
     crash_point, fsync_dir, rename_into_place, shard_name, write_error,
@@ -393,9 +394,14 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
     idiom). An explicit tag never falls back. Everything is read and verified before the engine is
     touched: on any error, on any rank, every rank raises and the engine is unchanged. Client state: each
     rank gets its own on the same world size, rank 0's otherwise. ``load_module_only`` restores the
-    weights (and buffers) alone; the optimizer, scheduler, counters and RNG stay as they are.
+    weights (and buffers) alone; the optimizer, scheduler, counters and RNG stay as they are. A DeepSpeed ZeRO
+    checkpoint (``latest`` and ``global_stepN/*_optim_states.pt``) is imported (``deepspeed_io.py``).
     """
     what = _What(load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    ds_tag = deepspeed_tag_dir(load_dir, tag)
+    if ds_tag is not None:  # DeepSpeed's layout: imported (deepspeed_io.py); it imports this module
+        from zeropp.checkpoint.deepspeed_io import load_deepspeed
+        return load_deepspeed(engine, ds_tag, what)
     params = _params(engine)
     rank = engine.topo.rank
     with_optimizer = what.optimizer and not what.module_only
