@@ -174,6 +174,7 @@ def test_import_of_an_export_is_the_checkpoint_bit_for_bit(world, tmp_path):
     assert back.scheduler == {"last_batch_iteration": int(want.rank0["scheduler"]["last_epoch"]) - 1}
     assert back.counters["global_steps"] == want.manifest.raw["engine"]["global_steps"]
     assert back.client_state == want.client_state
+    assert torch.equal(back.buffers["out_shift"], want.state_dict["out_shift"].float())
     group = {k: v for k, v in want.rank0["optimizer_param_groups"][0].items() if k not in ("params", "initial_lr")}
     assert back.hyper == [group]
 
