@@ -63,8 +63,41 @@ def moments_of(engine) -> dict:
     return out
 
 
+def as_fp16(src: str, dst: str, scale: float) -> None:
+    """A stage-3 checkpoint as DeepSpeed writes it in fp16 (a dynamic loss scaler, half weights in the model
+    states); DeepSpeed cannot train fp16 on CPU, so this one is made from its fp32 files."""
+    shutil.copytree(src, dst)
+    tag_dir = os.path.join(dst, "global_step3")
+    for name in os.listdir(tag_dir):
+        path = os.path.join(tag_dir, name)
+        tree = fmt.load_file(path)
+        if "optimizer_state_dict" in tree:
+            scaler = fmt.DynamicLossScaler(scale)
+            scaler.__dict__.update(dynamic=True, cur_iter=3, last_overflow_iter=-1, scale_factor=2.0,
+                                   scale_window=1000, min_scale=1.0, delayed_shift=2, cur_hysteresis=2,
+                                   consecutive_hysteresis=False, raise_error_at_min_scale=True)
+            tree["optimizer_state_dict"].update(loss_scaler=scaler, dynamic_loss_scale=True)
+        else:
+            tree["module"] = {k: (v.half() if v.numel() == 0 else v) for k, v in tree["module"].items()}
+        fmt.save_file(tree, path)
+
+
+def fp16_import(rank: int, world: int, root: str) -> dict:
+    src = os.path.join(root, "fp16")
+    if rank == 0:
+        as_fp16(os.path.join(DATA, "stage3_fp32"), src, 1024.0)
+    torch.distributed.barrier()
+    cfg = config_of("stage3_fp32", world)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    engine, *_ = zeropp.initialize(model=make_model(1234), config=cfg)
+    engine.load_checkpoint(src)
+    out = {"scale": engine.loss_scaler.scale, "weights": engine.consolidated_state_dict()}
+    engine.close()
+    return out
+
+
 def scenario(rank: int, world: int, root: str) -> dict:
-    out = {}
+    out = {"fp16": fp16_import(rank, world, root)}
     for case in CASES:
         cfg = config_of(case, world)
         engine, *_ = zeropp.initialize(model=make_model(1234), config=cfg)
@@ -120,6 +153,13 @@ def test_import_gives_deepspeeds_weights_moments_and_losses(case, world):
     tolerance = 1e-2 if "bf16" in case else 1e-5
     for ours, want in zip(ranks[0][case]["losses"], theirs):
         assert math.isclose(ours, want, rel_tol=tolerance), (ranks[0][case]["losses"], theirs)
+
+
+def test_an_fp16_checkpoints_loss_scale_comes_with_it():
+    want = reference("stage3_fp32")["weights"]
+    for res in results(2)[0]:
+        assert res["fp16"]["scale"] == 1024.0
+        assert all(torch.equal(res["fp16"]["weights"][k].float(), v) for k, v in want.items())
 
 
 def _structure(value, path: str = "") -> dict:
