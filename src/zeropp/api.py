@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
+import warnings
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
 
 import torch
@@ -25,6 +26,7 @@ from zeropp.config import ZeroConfig, ZeroppConfig, load_config
 from zeropp.config_auto import AutoValues
 from zeropp.offload.link import build_link
 from zeropp.offload.residency import build_residency
+from zeropp.partition.assign import mark_leaves
 from zeropp.optim import build_optimizer, build_scheduler
 from zeropp.plus.frozen import FrozenApart, FrozenGather, QuantizedFrozenUnits
 from zeropp.plus.hpz import HpzGather, SecondaryStore
@@ -218,6 +220,7 @@ def initialize(
         dpu_threads = max(1, torch.get_num_threads() // 2) if policy.delayed_update_after is not None else None
         return build_optimizer(cfg.optimizer, tensors, host_adam=offload, threads=dpu_threads)
 
+    _mark_leaves(model, zero)
     # NVMe files are created and their space reserved now: a bad path fails before any work
     residency = build_residency(zero, model, topo.world_size if zero.stage >= 1 else 1, compute_dtype, topo.rank)
     try:
@@ -244,6 +247,17 @@ def initialize(
         loader = torch.utils.data.DataLoader(training_data, batch_size=batch.micro_batch_per_rank, sampler=sampler,
                                              collate_fn=collate_fn)
     return InitResult(engine, engine.optimizer, loader, engine.lr_scheduler)
+
+
+def _mark_leaves(model: nn.Module, zero: ZeroConfig) -> None:
+    """The config's leaf modules (``zero_optimization.leaf_module``): each gathered whole with its subtree."""
+    leaf = zero.leaf_module
+    found = {name for name, mod in model.named_modules() if mod in mark_leaves(model, leaf.classes, leaf.names,
+                                                                                 leaf.name_suffixes)}
+    missing = [n for n in leaf.names if n not in found]
+    missing += [s for s in leaf.name_suffixes if not any(n.endswith(s) for n in found)]
+    if missing:
+        warnings.warn(f"zero_optimization.leaf_module: no module of the model is named {missing}", stacklevel=3)
 
 
 def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainPolicy:

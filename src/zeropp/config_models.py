@@ -209,6 +209,27 @@ class LocoConfig(Section):
                        "default 1024).")
 
 
+# DeepSpeed's defaults: mixture-of-experts blocks, whose experts run on some ranks only
+DEFAULT_LEAF_CLASSES = ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"]
+
+
+class LeafModuleConfig(Section):
+    """`zero_optimization.leaf_module`: modules whose whole subtree is gathered as one unit (DeepSpeed's keys)."""
+
+    classes: list[str] = F(default_factory=lambda: list(DEFAULT_LEAF_CLASSES), doc="Class names, bare or with "
+                           "their module path; DeepSpeed's default lists the mixture-of-experts blocks of Mixtral "
+                           "and Qwen2/3-MoE.")
+    names: list[str] = F(default_factory=list, doc="Module names as `model.named_modules()` gives them.")
+    name_suffixes: list[str] = F(default_factory=list, doc="Suffixes of such names.")
+
+    @field_validator("classes", "names", "name_suffixes", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
 class ZeroConfig(Section):
     """`zero_optimization`: the ZeRO stage, its buckets, and the ZeRO++ switches (qwZ, hpZ, qgZ)."""
 
@@ -284,6 +305,8 @@ class ZeroConfig(Section):
                                              "`zero_quantized_gradients`.")
     offload_optimizer: OffloadOptimizerConfig | None = F(None, doc="Optimizer offload (see its section).")
     offload_param: OffloadParamConfig | None = F(None, doc="Parameter offload (see its section).")
+    leaf_module: LeafModuleConfig = F(default_factory=LeafModuleConfig, doc="Stage 3: modules gathered as one "
+                                      "unit with their whole subtree (see its section).")
 
     @field_validator("stage")
     @classmethod

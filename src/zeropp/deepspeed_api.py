@@ -16,7 +16,7 @@ from zeropp.topology import ensure_process_group
 # deepspeed.<name> that scripts use and zeropp does not implement (yet)
 MISSING_MODULE_API = frozenset({
     "init_inference", "PipelineModule", "pipe", "ops", "moe", "profiling",
-    "runtime", "utils", "accelerator", "get_accelerator", "compression", "inference", "module_inject",
+    "accelerator", "get_accelerator", "compression", "inference", "module_inject",
     "monitor", "elasticity", "autotuning", "sequence", "linear", "tp_model_init", "add_tuning_arguments",
     "DeepSpeedEngine", "DeepSpeedConfig", "InferenceEngine", "is_compile_supported",
 })

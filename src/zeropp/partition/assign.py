@@ -7,11 +7,14 @@ so it is gathered once per forward and once per backward and stays available to 
 Granularity "block" then lifts every parameter inside a block (a child of an ``nn.ModuleList``, e.g. one
 transformer layer) to that block: one gather per layer instead of one per Linear/LayerNorm, as FSDP2's
 per-block ``fully_shard`` does. Fewer, larger collectives cost less on a busy CPU or a high-latency link;
-the peak of gathered weights grows to one block. Granularity "module" keeps one unit per module.
+the peak of gathered weights grows to one block. Granularity "module" keeps one unit per module. At either
+granularity a leaf module (:func:`set_leaf`, DeepSpeed's ``set_z3_leaf_modules``) lifts its whole subtree.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Iterable, Union
 
 from torch import nn
 
@@ -38,6 +41,40 @@ def _common_ancestor(names: list[str]) -> str:
 
 GRANULARITIES = ("module", "block")
 
+# Modules whose whole subtree is one gather unit, whatever the granularity (DeepSpeed's "leaf modules": a
+# mixture-of-experts block whose experts run on some ranks only, a module whose children run in an order that
+# changes from call to call). Marked before initialize; a registry, nothing is set on the module.
+_LEAVES: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def set_leaf(module: nn.Module, flag: bool = True) -> None:
+    """Mark (or unmark) ``module`` as a leaf: its subtree is gathered as one unit."""
+    if flag:
+        _LEAVES[module] = True
+    else:
+        _LEAVES.pop(module, None)
+
+
+def is_leaf(module: nn.Module) -> bool:
+    return _LEAVES.get(module, False)
+
+
+def mark_leaves(model: nn.Module, classes: Iterable[Union[type, str]] = (), names: Iterable[str] = (),
+                suffixes: Iterable[str] = (), flag: bool = True) -> list[nn.Module]:
+    """Mark the modules of ``model`` that are instances of ``classes`` (types, or class names: bare or with
+    their module path), named one of ``names`` in ``named_modules()``, or whose name ends with one of
+    ``suffixes``; returns them, in model order."""
+    classes, names, suffixes = list(classes), set(names), tuple(suffixes)
+    out = []
+    for name, module in model.named_modules():
+        cls = type(module)
+        qualified = f"{cls.__module__}.{cls.__qualname__}"
+        hit = any(isinstance(module, c) if isinstance(c, type) else c in (cls.__name__, qualified) for c in classes)
+        if hit or name in names or (suffixes and name.endswith(suffixes)):
+            set_leaf(module, flag)
+            out.append(module)
+    return out
+
 
 def block_names(model: nn.Module) -> list[str]:
     """Names of the modules that are children of an ``nn.ModuleList`` (transformer layers, typically)."""
@@ -58,6 +95,7 @@ def plan_units(model: nn.Module, granularity: str = "module") -> list[UnitPlan]:
     if granularity not in GRANULARITIES:
         raise ValueError(f"gather granularity must be one of {GRANULARITIES}, got {granularity!r}")
     blocks = block_names(model) if granularity == "block" else []
+    blocks += [name for name, mod in model.named_modules() if is_leaf(mod) and name]
     holders: dict[int, list[str]] = {}
     first_name: dict[int, str] = {}
     by_id: dict[int, nn.Parameter] = {}

@@ -1,0 +1,66 @@
+"""The compatibility layer: DeepSpeed's module tree over zeropp, for code that imports ``deepspeed`` itself.
+
+``import zeropp as deepspeed`` serves scripts that take DeepSpeed's module-level names from one object. Code that
+writes ``from deepspeed.utils import safe_get_full_fp32_param`` or ``import deepspeed`` inside a library
+(transformers, PEFT, TRL and accelerate do) needs a ``deepspeed`` package; :func:`install_deepspeed_alias`
+registers ``zeropp.compat.deepspeed`` and its submodules under DeepSpeed's names, on request only:
+
+    import zeropp.compat
+    zeropp.compat.install_deepspeed_alias()
+    import deepspeed                            # zeropp's DeepSpeed API
+    from deepspeed.utils import safe_get_full_fp32_param
+
+Coexistence with a real DeepSpeed: if it is already imported, the alias refuses (two engines in one process
+would each partition the other's parameters); if it is installed but not imported, the alias takes its place in
+this process and says so with a warning. :func:`uninstall_deepspeed_alias` takes the names away again.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+import sys
+import warnings
+
+_PACKAGE = "zeropp.compat.deepspeed"
+
+
+class DeepSpeedAliasError(RuntimeError):
+    """The ``deepspeed`` alias cannot be installed (the real DeepSpeed is already imported)."""
+
+
+def _ours() -> list[str]:
+    """Every module of the compatibility tree, by its zeropp name, parents first."""
+    root = importlib.import_module(_PACKAGE)
+    names = [_PACKAGE]
+    for info in pkgutil.walk_packages(root.__path__, _PACKAGE + "."):
+        names.append(info.name)
+    return names
+
+
+def install_deepspeed_alias() -> None:
+    """Register zeropp's DeepSpeed API as ``deepspeed`` (and ``deepspeed.utils``, ``deepspeed.runtime.zero``, ...)."""
+    current = sys.modules.get("deepspeed")
+    if current is not None:
+        if getattr(current, "__name__", "") == _PACKAGE:
+            return  # installed already
+        raise DeepSpeedAliasError(
+            f"DeepSpeed itself is already imported in this process (from {getattr(current, '__file__', '?')}); "
+            "zeropp will not stand in for it. Install the alias before anything imports deepspeed, or use "
+            "DeepSpeed's own engine")
+    if importlib.util.find_spec("deepspeed") is not None:
+        warnings.warn("the installed DeepSpeed package is shadowed in this process by zeropp's DeepSpeed API "
+                      "(zeropp.compat.install_deepspeed_alias)", stacklevel=2)
+    for name in _ours():
+        module = importlib.import_module(name)
+        sys.modules["deepspeed" + name[len(_PACKAGE):]] = module
+
+
+def uninstall_deepspeed_alias() -> None:
+    """Take away what :func:`install_deepspeed_alias` registered."""
+    for key in [k for k in sys.modules if k == "deepspeed" or k.startswith("deepspeed.")]:
+        if getattr(sys.modules[key], "__name__", "").startswith(_PACKAGE):
+            del sys.modules[key]
+
+
+__all__ = ["install_deepspeed_alias", "uninstall_deepspeed_alias", "DeepSpeedAliasError"]

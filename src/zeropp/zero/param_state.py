@@ -1,0 +1,206 @@
+"""One parameter's model states, whole or this rank's part, read and written through the engine that manages it.
+
+What DeepSpeed's ``deepspeed.utils.safe_get_full_fp32_param`` & co. give scripts (the compatibility layer maps its
+names onto these): the fp32 master, the reduced gradient and each optimizer state (Adam's ``exp_avg``...) of a
+parameter, gathered whole from every rank's chunk, or this rank's part of it, and the writes back.
+
+* Whole values are collective: every rank calls, and each gets the same full tensor (an all-gather of the chunks
+  over the ranks that shard the optimizer state; stage 0 holds them whole already). Writes are local: each rank
+  takes its part of the full value it is given, so every rank must be given the same value.
+* A rank's part is the range of the flattened parameter it owns (Note [shard layout] in ``partition/spec.py``),
+  padding left out: ``local_*`` values have ``stop - start`` elements, possibly none.
+* The gradient is the one the next optimizer step would use: after ``engine.backward`` and before
+  ``engine.step()``, averaged over the ranks as the step averages it and with the fp16 loss scale taken out
+  (stages 0-1 average the whole gradients here, a collective; stages 2-3 hold them reduced already).
+* Writes to a master publish it at once (16-bit shards recast, hpZ copies stale; stages 0-2 rebuild their
+  resident weights, a collective); a delayed update still running is joined first, and offloaded rows are
+  brought into memory around every read and write.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from zeropp.comm.ledger import Phase
+from zeropp.partition.unit import ParamSlot, Unit
+from zeropp.zero import gathered
+
+if TYPE_CHECKING:
+    from zeropp.zero.engine import ZeroEngine
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a parameter's states live: its engine, unit and position in the unit."""
+
+    engine: "ZeroEngine"
+    unit: Unit
+    index: int
+
+    @property
+    def slot(self) -> ParamSlot:
+        return self.unit.slots[self.index]
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The [start, stop) of the flattened parameter this rank owns."""
+        return self.slot.spec.owned(self.unit.rank)
+
+
+def locate(param: torch.Tensor) -> Optional[Located]:
+    """The engine, unit and slot managing ``param``, or None when no live engine manages it."""
+    for engine in list(gathered._ENGINES):
+        for unit in engine.units:
+            for i, slot in enumerate(unit.slots):
+                if slot.param is param:
+                    return Located(engine, unit, i)
+    return None
+
+
+def _full(loc: Located, chunk: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``chunk`` of the parameter (fp32), put together and shaped like it."""
+    engine, spec = loc.engine, loc.slot.spec
+    chunk = chunk.detach().to(torch.float32).reshape(-1).contiguous()
+    if engine.shard_world == 1:
+        flat = chunk
+    else:
+        flat = torch.empty(engine.shard_world * chunk.numel(), dtype=torch.float32, device=chunk.device)
+        engine.comm.all_gather(flat, chunk, engine.topo.world, Phase.OTHER)
+    return flat[: spec.numel].view(spec.shape).clone()
+
+
+def _own_part(loc: Located, value: torch.Tensor, where: str) -> torch.Tensor:
+    spec = loc.slot.spec
+    if tuple(value.shape) != tuple(spec.shape) and value.numel() != spec.numel:
+        raise ValueError(f"{where}: parameter {loc.slot.name!r} has shape {tuple(spec.shape)}, the value "
+                         f"{tuple(value.shape)}")
+    start, stop = loc.span
+    return value.detach().reshape(-1)[start:stop].to(torch.float32)
+
+
+def _write(target: torch.Tensor, part: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.zero_()  # padding stays zero (Note [shard layout])
+        target[: part.numel()].copy_(part.to(target.device))
+
+
+# ---- the fp32 master ------------------------------------------------------------------------------------------
+def full_master(loc: Located) -> torch.Tensor:
+    """The whole fp32 master of the parameter (collective)."""
+    loc.engine.join_update()
+    with loc.engine.residency.resident([loc.unit], dirty=False):
+        return _full(loc, loc.unit.master_values()[loc.index])
+
+
+def local_master(loc: Located) -> torch.Tensor:
+    """This rank's part of the fp32 master (a copy)."""
+    loc.engine.join_update()
+    start, stop = loc.span
+    with loc.engine.residency.resident([loc.unit], dirty=False):
+        return loc.unit.master_values()[loc.index][: stop - start].detach().float().clone()
+
+
+def set_master(loc: Located, value: torch.Tensor, local: bool = False) -> None:
+    """Write the parameter's fp32 master (``local``: this rank's part only) and publish it as the weights."""
+    engine = loc.engine
+    engine.join_update()
+    part = value.detach().reshape(-1).float() if local else _own_part(loc, value, "set the fp32 parameter")
+    start, stop = loc.span
+    if part.numel() != stop - start:
+        raise ValueError(f"parameter {loc.slot.name!r}: this rank owns {stop - start} elements, the value has "
+                         f"{part.numel()}")
+    with engine.residency.resident([loc.unit]):
+        _write(loc.unit.master_views()[loc.index], part)
+    engine.masters_changed()
+
+
+# ---- the gradient ---------------------------------------------------------------------------------------------
+def full_grad(loc: Located) -> Optional[torch.Tensor]:
+    """The parameter's averaged, unscaled gradient as the next step will use it; None before any backward."""
+    engine, slot = loc.engine, loc.slot
+    scale = engine.loss_scale
+    if not engine.plan.reduces_as_ready:  # stages 0-1: whole local gradients until the boundary
+        g = slot.param.grad
+        if g is None:
+            return None
+        mean = g.detach().to(torch.float32).clone()
+        engine.comm.all_reduce(mean, engine.topo.world, Phase.OTHER)
+        return mean.div_(engine.topo.world_size * scale)
+    if loc.unit.grad is None:
+        return None
+    return _full(loc, loc.unit.grad_views()[loc.index]).div_(scale)
+
+
+def local_grad(loc: Located) -> Optional[torch.Tensor]:
+    """This rank's part of the reduced, unscaled gradient (stages 2-3); None before any backward."""
+    if not loc.engine.plan.reduces_as_ready:
+        raise ValueError("the local gradient is a ZeRO-3 (and 2) notion: at stages 0-1 every rank holds the whole "
+                         "gradient until the step; use the full gradient")
+    if loc.unit.grad is None:
+        return None
+    start, stop = loc.span
+    return loc.unit.grad_views()[loc.index][: stop - start].detach().float().div(loc.engine.loss_scale)
+
+
+def set_grad(loc: Located, value: torch.Tensor, local: bool = False) -> None:
+    """Replace the gradient the next step uses (``value`` unscaled; ``local``: this rank's part, stages 2-3)."""
+    engine, slot = loc.engine, loc.slot
+    scale = engine.loss_scale
+    if not engine.plan.reduces_as_ready:
+        if local:
+            raise ValueError("the local gradient is a ZeRO-3 (and 2) notion; use the full gradient at stages 0-1")
+        # each rank's whole gradient becomes the value: the boundary's reduction averages them back to it
+        slot.param.grad = (value.detach().reshape(slot.spec.shape) * scale).to(engine.policy.compute_dtype)
+        return
+    part = value.detach().reshape(-1).float() if local else _own_part(loc, value, "set the gradient")
+    _write(loc.unit.grad_views()[loc.index], part * scale)
+
+
+# ---- optimizer state ------------------------------------------------------------------------------------------
+def _state(loc: Located, key: str) -> torch.Tensor:
+    view = loc.unit.master_views()[loc.index]
+    state = loc.engine.optimizer.state.get(view, {})
+    if key not in state:
+        raise KeyError(f"parameter {loc.slot.name!r} has no optimizer state {key!r} (it has {sorted(state)}; the "
+                       "state exists after the first optimizer step)")
+    return state[key]
+
+
+def full_optimizer_state(loc: Located, key: str) -> torch.Tensor:
+    """The whole optimizer state ``key`` (``exp_avg``...) of the parameter; a scalar (``step``) as it is."""
+    loc.engine.join_update()
+    with loc.engine.residency.resident([loc.unit], dirty=False):
+        value = _state(loc, key)
+        if value.dim() == 0:
+            return value.detach().clone()
+        return _full(loc, value)
+
+
+def local_optimizer_state(loc: Located, key: str) -> torch.Tensor:
+    """This rank's part of the optimizer state ``key`` (a scalar as it is)."""
+    loc.engine.join_update()
+    start, stop = loc.span
+    with loc.engine.residency.resident([loc.unit], dirty=False):
+        value = _state(loc, key)
+        return value.detach().clone() if value.dim() == 0 else value[: stop - start].detach().float().clone()
+
+
+def set_optimizer_state(loc: Located, key: str, value: torch.Tensor, local: bool = False) -> None:
+    """Write the optimizer state ``key`` of the parameter (``local``: this rank's part)."""
+    loc.engine.join_update()
+    with loc.engine.residency.resident([loc.unit]):
+        target = _state(loc, key)
+        if target.dim() == 0:
+            with torch.no_grad():
+                target.copy_(value.detach().reshape(()))
+            return
+        part = value.detach().reshape(-1).float() if local else _own_part(loc, value, f"set {key}")
+        _write(target, part)
+
+
+def parameters_of(module: nn.Module) -> list[tuple[str, torch.Tensor, Optional[Located]]]:
+    """``(name, parameter, where it lives)`` for each parameter of ``module``."""
+    return [(n, p, locate(p)) for n, p in module.named_parameters()]

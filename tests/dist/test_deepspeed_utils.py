@@ -1,0 +1,203 @@
+"""DeepSpeed's ``deepspeed.utils`` as scripts call it, through ``zeropp.install_deepspeed_alias()`` on 2
+ranks: full fp32 weights, gradients and Adam state read and set at stages 1-3, with and without optimizer
+offload, against an independent single-process model trained on the same data (torch's AdamW, no zeropp);
+each rank's local parts; leaf modules marked by class, by name and by config."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import zeropp
+from support.ds_reference import ds_batch, ds_loss, make_model
+from support.world import run_world
+
+WORLD, LR, WD = 2, 1e-2, 0.01
+VARIANTS = [(stage, offload) for stage in (1, 2, 3) for offload in (False, True)]
+KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def config(stage: int, offload: bool) -> dict:
+    zero: dict = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+
+
+def snapshot(model, utils, with_state: bool, grads: bool = False) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        entry = {"param": utils.safe_get_full_fp32_param(p)}
+        if grads:
+            entry["grad"] = utils.safe_get_full_grad(p)
+        if with_state:
+            entry.update({k: utils.safe_get_full_optimizer_state(p, k) for k in KEYS})
+        out[name] = entry
+    return out
+
+
+def alias_run(rank: int, stage: int, offload: bool) -> dict:
+    """Step 0, grads read; step 1; weights and Adam state read; weights halved and exp_avg zeroed through
+    the setters; step 2; read again. Also each rank's local parts after step 2."""
+    import deepspeed
+    from deepspeed import utils
+    model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, config=config(stage, offload))
+    out: dict = {}
+    for step in range(3):
+        loss = ds_loss(engine, *ds_batch(step, rank))
+        engine.backward(loss)
+        if step == 0:
+            out["grads"] = {n: utils.safe_get_full_grad(p) for n, p in model.named_parameters()}
+        engine.step()
+        if step == 1:
+            out["after1"] = snapshot(model, utils, True)
+            for name, p in model.named_parameters():
+                utils.safe_set_full_fp32_param(p, out["after1"][name]["param"] * 0.5)
+                utils.safe_set_full_optimizer_state(p, torch.zeros_like(out["after1"][name]["exp_avg"]), "exp_avg")
+            out["set"] = snapshot(model, utils, True)
+    out["after2"] = snapshot(model, utils, True)
+    out["local"] = {n: (utils.safe_get_local_fp32_param(p), utils.safe_get_local_optimizer_state(p, "exp_avg"))
+                    for n, p in model.named_parameters()}
+    out["unmanaged"] = utils.safe_get_full_fp32_param(nn.Parameter(torch.ones(2)))
+    engine.close()
+    return out
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class PairNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs = nn.Sequential(Pair(), Pair(), Pair())
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pairs(x)).pow(2).mean()
+
+
+def leaf_units(rank: int) -> dict:
+    """The gather units ``initialize`` plans (granularity "module") for leaves marked each way."""
+    from deepspeed import utils
+    out = {}
+    for how in ("none", "class", "class_name", "name", "suffix", "config"):
+        torch.manual_seed(0)
+        model = PairNet()
+        cfg = {"train_micro_batch_size_per_gpu": 1,
+               "zero_optimization": {"stage": 3, "gather_granularity": "module"}}
+        if how == "class":
+            utils.set_z3_leaf_modules(model, [Pair])
+        elif how == "class_name":
+            utils.set_z3_leaf_modules(model, ["Pair"])
+        elif how == "name":
+            utils.set_z3_leaf_modules_by_name(model, ["pairs.1"])
+        elif how == "suffix":
+            utils.set_z3_leaf_modules_by_suffix(model, [".2"])
+        elif how == "config":
+            cfg["zero_optimization"]["leaf_module"] = {"names": ["pairs.0"]}
+        leaves = [type(m).__name__ for m in utils.get_z3_leaf_modules(model)]
+        engine, *_ = zeropp.initialize(model=model, config=cfg)
+        loss = engine(torch.ones(2, 4))
+        engine.backward(loss)
+        engine.step()
+        out[how] = {"units": [u.module_name for u in engine.units], "leaves": leaves, "loss": loss.item()}
+        engine.close()
+    try:
+        utils.set_z3_leaf_modules(PairNet(), [nn.Conv2d])
+    except ValueError as err:
+        out["not_found"] = str(err)
+    return out
+
+
+def scenario(rank: int, world: int) -> dict:
+    zeropp.install_deepspeed_alias()
+    out = {v: alias_run(rank, *v) for v in VARIANTS}
+    out["leaves"] = leaf_units(rank)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> list:
+    return run_world(scenario, WORLD)
+
+
+@functools.lru_cache(maxsize=None)
+def reference() -> dict:
+    """The same model and data in one process: the loss of each step is the mean of the ranks' losses."""
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    out: dict = {}
+    for step in range(3):
+        loss = sum(ds_loss(model, *ds_batch(step, r)) for r in range(WORLD)) / WORLD
+        loss.backward()
+        if step == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            out["after1"] = {n: {"param": p.detach().clone(), **{k: opt.state[p][k].clone() for k in KEYS}}
+                             for n, p in model.named_parameters()}
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+                    opt.state[p]["exp_avg"].zero_()
+    out["after2"] = {n: {"param": p.detach().clone(), **{k: opt.state[p][k].clone() for k in KEYS}}
+                     for n, p in model.named_parameters()}
+    return out
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-7, msg=what)
+
+
+@pytest.mark.parametrize("stage,offload", VARIANTS)
+def test_full_values_equal_a_single_process_and_setters_take(stage, offload):
+    ref = reference()
+    for rank, res in enumerate(results()):
+        got = res[(stage, offload)]
+        for name, want in ref["grads"].items():
+            close(got["grads"][name], want, f"rank {rank} grad {name}")
+        for when in ("after1", "after2"):
+            for name, want in ref[when].items():
+                for key, value in want.items():
+                    close(got[when][name][key], value, f"rank {rank} {when} {name} {key}")
+        for name, values in got["set"].items():  # what was set is what is read back, exactly
+            assert torch.equal(values["param"], got["after1"][name]["param"] * 0.5), name
+            assert not values["exp_avg"].any(), name
+        assert got["unmanaged"] is None
+
+
+@pytest.mark.parametrize("stage,offload", VARIANTS)
+def test_local_parts_are_each_ranks_range(stage, offload):
+    ranks = results()
+    for name, full in ranks[0][(stage, offload)]["after2"].items():
+        for key, index in (("param", 0), ("exp_avg", 1)):
+            parts = [r[(stage, offload)]["local"][name][index] for r in ranks]
+            assert torch.equal(torch.cat(parts), full[key].reshape(-1).float()), (name, key)
+
+
+def test_leaf_modules_by_class_name_suffix_and_config_are_whole_units():
+    for res in results():
+        leaves = res["leaves"]
+        assert "pairs.0.a" in leaves["none"]["units"] and "pairs.0" not in leaves["none"]["units"]
+        for how in ("class", "class_name"):
+            assert leaves[how]["leaves"] == ["Pair"] * 3
+            assert leaves[how]["units"] == ["pairs.0", "pairs.1", "pairs.2", "head"], leaves[how]
+        assert "pairs.1" in leaves["name"]["units"] and "pairs.1.a" not in leaves["name"]["units"]
+        assert "pairs.0.a" in leaves["name"]["units"]
+        assert "pairs.2" in leaves["suffix"]["units"] and "pairs.2.b" not in leaves["suffix"]["units"]
+        assert "pairs.0" in leaves["config"]["units"] and "pairs.0.a" not in leaves["config"]["units"]
+        losses = {how: v["loss"] for how, v in leaves.items() if isinstance(v, dict)}
+        assert len(set(losses.values())) == 1, losses  # the units change, the values do not
+        assert "No modules of type" in leaves["not_found"]

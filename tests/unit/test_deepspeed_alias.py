@@ -1,0 +1,73 @@
+"""``zeropp.install_deepspeed_alias()``: the ``deepspeed`` package and its submodules on request, never over a
+DeepSpeed already imported, and gone again after ``uninstall_deepspeed_alias``."""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import pytest
+
+import zeropp
+from zeropp.compat import DeepSpeedAliasError, uninstall_deepspeed_alias
+from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
+
+
+@pytest.fixture
+def alias():
+    zeropp.install_deepspeed_alias()
+    try:
+        yield
+    finally:
+        uninstall_deepspeed_alias()
+
+
+def test_deepspeeds_module_paths_import(alias):
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
+    from deepspeed.utils import safe_get_full_fp32_param, set_z3_leaf_modules
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    zero = importlib.import_module("deepspeed.zero")
+    assert deepspeed.initialize is zeropp.initialize and zero.Init is zeropp.zero.Init
+    assert GatheredParameters is zeropp.zero.GatheredParameters and ZeroParamStatus.NOT_AVAILABLE.value == 2
+    assert callable(safe_get_full_fp32_param) and callable(set_z3_leaf_modules)
+    assert callable(get_fp32_state_dict_from_zero_checkpoint) and deepspeed.__version__ == "0.19.8"
+    with pytest.raises(DeepSpeedAPIError, match="deepspeed.ops"):
+        deepspeed.ops  # noqa: B018
+    with pytest.raises(DeepSpeedAPIError, match="unwrap_model_for_generation"):
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+        unwrap_model_for_generation(None)
+    zeropp.install_deepspeed_alias()  # a second call changes nothing
+
+
+def test_a_real_deepspeed_already_imported_is_never_shadowed():
+    real = types.ModuleType("deepspeed")
+    real.__file__ = "/site-packages/deepspeed/__init__.py"
+    sys.modules["deepspeed"] = real
+    try:
+        with pytest.raises(DeepSpeedAliasError, match="already imported.*/site-packages/deepspeed"):
+            zeropp.install_deepspeed_alias()
+        assert sys.modules["deepspeed"] is real
+    finally:
+        del sys.modules["deepspeed"]
+
+
+def test_uninstall_takes_every_name_away(alias):
+    import deepspeed.utils  # noqa: F401
+    uninstall_deepspeed_alias()
+    assert not [k for k in sys.modules if k == "deepspeed" or k.startswith("deepspeed.")]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("deepspeed")
+
+
+def test_deepspeeds_comm_is_not_provided(alias):
+    with pytest.raises(ModuleNotFoundError, match="deepspeed.comm"):
+        importlib.import_module("deepspeed.comm")
+
+
+def test_import_zeropp_as_deepspeed_reaches_the_subpackages():
+    import zeropp as deepspeed
+    assert deepspeed.utils.safe_get_full_fp32_param.__module__ == "zeropp.compat.deepspeed.utils"
+    assert deepspeed.runtime.zero.ZeroParamStatus.AVAILABLE.value == 1
+    with pytest.raises(DeepSpeedAPIError, match="deepspeed.moe"):
+        deepspeed.moe  # noqa: B018
