@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 
 def _positive(text: str) -> int:
@@ -129,17 +129,23 @@ def _consolidate_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--tag", default=None, help="tag to read (default: the one CKPT_DIR/latest names)")
 
 
-def consolidate(args: argparse.Namespace) -> int:
+def _checkpoint_command(name: str, run: Callable[[], str]) -> int:
+    """Run a checkpoint command: its one-line result on stdout, or its error on stderr and exit status 1."""
     from zeropp.checkpoint import CheckpointError
-    from zeropp.checkpoint import consolidate as run_consolidate
 
     try:
-        path = run_consolidate(args.ckpt_dir, args.out, tag=args.tag)
-    except (CheckpointError, ValueError, RuntimeError) as err:
-        print(f"zeropp consolidate: {err}", file=sys.stderr)
+        out = run()
+    except (CheckpointError, ValueError, RuntimeError, OSError) as err:
+        print(f"zeropp {name}: {err}", file=sys.stderr)
         return 1
-    print(path)
+    print(out)
     return 0
+
+
+def consolidate(args: argparse.Namespace) -> int:
+    from zeropp.checkpoint import consolidate as run_consolidate
+
+    return _checkpoint_command("consolidate", lambda: run_consolidate(args.ckpt_dir, args.out, tag=args.tag))
 
 
 def _verify_parser(sub: "argparse._SubParsersAction") -> None:
@@ -182,16 +188,12 @@ def _convert_parser(sub: "argparse._SubParsersAction") -> None:
 
 
 def convert_checkpoint(args: argparse.Namespace) -> int:
-    from zeropp.checkpoint import CheckpointError
     from zeropp.checkpoint.convert import convert_checkpoint as run_convert
 
-    try:
+    def run() -> str:
         done = run_convert(args.ckpt_dir, args.tag, trust_pickle=args.trust_pickle)
-    except CheckpointError as err:
-        print(f"zeropp convert-checkpoint: {err}", file=sys.stderr)
-        return 1
-    print(f"converted {len(done)} tag(s) to format version 3: {', '.join(done) or 'none needed'}")
-    return 0
+        return f"converted {len(done)} tag(s) to format version 3: {', '.join(done) or 'none needed'}"
+    return _checkpoint_command("convert-checkpoint", run)
 
 
 def _export_parser(sub: "argparse._SubParsersAction") -> None:
@@ -214,16 +216,10 @@ def _export_parser(sub: "argparse._SubParsersAction") -> None:
 
 
 def export_deepspeed(args: argparse.Namespace) -> int:
-    from zeropp.checkpoint import CheckpointError
     from zeropp.checkpoint.deepspeed_io import export_deepspeed as run_export
 
-    try:
-        out = run_export(args.src, args.dst, args.world_size, args.tag, args.drop_unsupported)
-    except (CheckpointError, ValueError, OSError) as err:
-        print(f"zeropp export-deepspeed: {err}", file=sys.stderr)
-        return 1
-    print(out)
-    return 0
+    return _checkpoint_command("export-deepspeed", lambda: run_export(args.src, args.dst, args.world_size, args.tag,
+                                                                      args.drop_unsupported))
 
 
 def _bench_parser(sub: "argparse._SubParsersAction") -> None:
