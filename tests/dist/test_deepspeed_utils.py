@@ -119,10 +119,43 @@ def leaf_units(rank: int) -> dict:
     return out
 
 
+def ds_views(rank: int) -> dict:
+    """DeepSpeed's parameter attributes, read as integrations read them, before and after initialize."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.utils import safe_get_full_fp32_param
+    with deepspeed.zero.Init():
+        model = PairNet()
+    p = model.pairs[0].a.weight
+    out = {"class": type(p).__name__, "numel": p.ds_numel, "shape": tuple(p.ds_shape), "persist": p.ds_persist,
+           "status": p.ds_status, "ids": sorted(q.ds_id for q in model.parameters()),
+           "peft_count": sum(q.ds_numel if q.numel() == 0 else q.numel() for q in model.parameters())}
+    with deepspeed.zero.GatheredParameters([p]):
+        out["gathered"] = p.ds_status
+        full = p.detach().clone()
+    out["tensor_is_local"] = torch.equal(p.ds_tensor, full.reshape(-1)[rank * 8:(rank + 1) * 8])
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                           "zero_optimization": {"stage": 3}})
+    seen = []
+    model.pairs[0].a.register_forward_pre_hook(lambda *_: seen.append(p.ds_status))  # after the gather
+    loss = engine(torch.ones(2, 4))
+    engine.backward(loss)
+    engine.step()
+    out.update(after=p.ds_status, in_forward=seen, engine_ids=sorted(q.ds_id for q in model.parameters()),
+               tensor_after=torch.equal(p.ds_tensor, safe_get_full_fp32_param(p).reshape(-1)[rank * 8:(rank + 1) * 8]))
+    try:
+        p.ds_status = ZeroParamStatus.AVAILABLE
+    except NotImplementedError as err:
+        out["write"] = str(err)
+    engine.close()
+    return out
+
+
 def scenario(rank: int, world: int) -> dict:
     zeropp.install_deepspeed_alias()
     out = {v: alias_run(rank, *v) for v in VARIANTS}
     out["leaves"] = leaf_units(rank)
+    out["views"] = ds_views(rank)
     return out
 
 
@@ -201,3 +234,17 @@ def test_leaf_modules_by_class_name_suffix_and_config_are_whole_units():
         losses = {how: v["loss"] for how, v in leaves.items() if isinstance(v, dict)}
         assert len(set(losses.values())) == 1, losses  # the units change, the values do not
         assert "No modules of type" in leaves["not_found"]
+
+
+def test_parameter_attributes_are_views_of_the_partitioned_state():
+    from zeropp.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    n = sum(p.numel() for p in PairNet().parameters())
+    for res in results():
+        v = res["views"]
+        assert v["class"] == "DeepSpeedParameter" and v["numel"] == 16 and v["shape"] == (4, 4)
+        assert v["persist"] is False and v["peft_count"] == n
+        assert v["status"] is ZeroParamStatus.NOT_AVAILABLE and v["gathered"] is ZeroParamStatus.AVAILABLE
+        assert v["after"] is ZeroParamStatus.NOT_AVAILABLE and v["in_forward"] == [ZeroParamStatus.AVAILABLE]
+        assert len(set(v["ids"])) == len(v["ids"]) and v["engine_ids"] == list(range(len(v["engine_ids"])))
+        assert v["tensor_is_local"] and v["tensor_after"]
+        assert "read-only" in v["write"]

@@ -10,6 +10,9 @@ registers ``zeropp.compat.deepspeed`` and its submodules under DeepSpeed's names
     import deepspeed                            # zeropp's DeepSpeed API
     from deepspeed.utils import safe_get_full_fp32_param
 
+While the alias is installed, parameters partitioned from then on carry DeepSpeed's ``ds_*`` attributes as
+read-only views (``compat/deepspeed/params.py``).
+
 Coexistence with a real DeepSpeed: if it is already imported, the alias refuses (two engines in one process
 would each partition the other's parameters); if it is installed but not imported, the alias takes its place in
 this process and says so with a warning. :func:`uninstall_deepspeed_alias` takes the names away again.
@@ -54,6 +57,7 @@ def install_deepspeed_alias() -> None:
     for name in _ours():
         module = importlib.import_module(name)
         sys.modules["deepspeed" + name[len(_PACKAGE):]] = module
+    importlib.import_module(f"{_PACKAGE}.params").install()  # ds_* views on parameters partitioned from now on
 
 
 def uninstall_deepspeed_alias() -> None:
@@ -61,6 +65,7 @@ def uninstall_deepspeed_alias() -> None:
     for key in [k for k in sys.modules if k == "deepspeed" or k.startswith("deepspeed.")]:
         if getattr(sys.modules[key], "__name__", "").startswith(_PACKAGE):
             del sys.modules[key]
+    importlib.import_module(f"{_PACKAGE}.params").uninstall()
 
 
 __all__ = ["install_deepspeed_alias", "uninstall_deepspeed_alias", "DeepSpeedAliasError"]

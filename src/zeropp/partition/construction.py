@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar
@@ -31,6 +32,7 @@ from torch import nn
 
 from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
+from zeropp.partition import listeners
 from zeropp.partition.access import METADATA, STORAGE_INFO, ParameterAccessError, call_args, call_name
 from zeropp.partition.spec import ShardSpec, take_chunk
 from zeropp.topology import world_only
@@ -64,6 +66,7 @@ class Partitioned:
     full: torch.Tensor  # the padded buffer the parameter's data views; storage freed while partitioned
     state: State = State.PARTITIONED
     pins: int = 0  # GatheredParameters holding it gathered
+    serial: int = 0  # the order in which this process partitioned its parameters
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +79,7 @@ class PartitionedParams:
     def __init__(self, comm: Optional[Comm] = None) -> None:
         self._comm = comm
         self._records: dict[int, tuple[weakref.ref, Partitioned]] = {}
+        self._serial = itertools.count()
 
     @property
     def comm(self) -> Comm:
@@ -132,7 +136,8 @@ class PartitionedParams:
         full = torch.empty(spec.padded, dtype=shard.dtype, device=device or shard.device)
         param.data = full[: spec.numel].view(spec.shape)
         full.untyped_storage().resize_(0)
-        self._add(param, Partitioned(label, spec, shard, full))
+        self._add(param, Partitioned(label, spec, shard, full, serial=next(self._serial)))
+        listeners.partitioned(param)
 
     @_plain
     def gather(self, param: nn.Parameter) -> Partitioned:

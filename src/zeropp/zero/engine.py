@@ -35,6 +35,7 @@ from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather, ReduceStrategy
 from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
+from zeropp.partition import listeners
 from zeropp.partition.assign import plan_units
 from zeropp.partition.construction import PARAMS
 from zeropp.partition.meta import MetaMaterializer
@@ -270,6 +271,9 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
                     for _, p in params:
                         PARAMS.adopt(p)  # the unit owns it from here
                     unit = self._make_unit(len(units), plan.module_name, params, frozen, shard_rank, chunks)
+                    if self.plan.shards_weights:
+                        for _, p in params:
+                            listeners.partitioned(p)
                     self.residency.adopt(unit)
                     if self.plan.shards_weights:
                         plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
