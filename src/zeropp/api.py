@@ -21,7 +21,7 @@ from zeropp.checkpoint import CheckpointingEngine
 from zeropp.comm.gather import AllGather
 from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
-from zeropp.comm.reduce import AllReduceMean, AllToAllReduceScatter
+from zeropp.comm.reduce import AllReduceKeepRow, AllReduceMean, AllToAllReduceScatter
 from zeropp.config import ZeroConfig, ZeroppConfig, load_config
 from zeropp.config_auto import AutoValues
 from zeropp.offload.link import build_link
@@ -67,10 +67,10 @@ def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
     if zero.zero_hpz_partition_size > 1:
         store = SecondaryStore()  # shared: a slice cut after forward serves backward
         forward, backward = HpzGather(comm, forward, store), HpzGather(comm, backward, store)
-    reduce = (
-        QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block, _loco(zero))
-        if zero.zero_quantized_gradients else AllToAllReduceScatter(comm)
-    )
+    if zero.zero_quantized_gradients:
+        reduce = QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block, _loco(zero))
+    else:
+        reduce = AllToAllReduceScatter(comm) if zero.reduce_scatter else AllReduceKeepRow(comm)
     if not zero.zero_quantized_nontrainable_weights:
         return Strategies(forward, backward, reduce)
     # Note [quantized frozen weights]: one frozen gather (and hpZ copy) serves both passes
@@ -278,6 +278,10 @@ def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainP
         prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
         max_live_parameters=zero.stage3_max_live_parameters,
         broadcast_rank0=cfg.broadcast_rank0_weights,
+        # prescale_gradients: the whole mean before the reduction (DeepSpeed divides by the world there)
+        grad_predivide=float(torch.distributed.get_world_size()) if cfg.prescale_gradients
+        else cfg.gradient_predivide_factor,
+        grad_sum=cfg.gradient_allreduce_op == "sum",
     )
 
 

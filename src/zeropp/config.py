@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ValidationError, model_validator
 from pydantic.fields import FieldInfo
@@ -145,10 +145,12 @@ class ZeroppConfig(Section):
                                "many optimizer steps.", status=STATUS_IMPLEMENTED)
     wall_clock_breakdown: bool = F(False, doc="Print `engine.time_report()` (where each step's time went) on "
                                    "rank 0 every `steps_per_print` steps.", status=STATUS_IMPLEMENTED)
-    prescale_gradients: bool = F(False, doc="Divide gradients by world size before reducing. `true` is "
-                                 "not supported yet.", status=STATUS_PARTIAL)
-    gradient_predivide_factor: Number = F(1.0, gt=0, doc="Split of the averaging before/after the "
-                                          "reduction; only 1.0 is supported yet.", status=STATUS_PARTIAL)
+    prescale_gradients: bool = F(False, doc="Divide gradients by the world size before the reduction instead of "
+                                 "after it (the same mean, rounded differently in 16 bits).")
+    gradient_predivide_factor: Number = F(1.0, gt=0, doc="Divide gradients by this before the reduction and by "
+                                          "world / this after it (for gradient_allreduce_op \"mean\").")
+    gradient_allreduce_op: Literal["mean", "sum"] = F("mean", doc="What the ranks' gradients become: their mean "
+                                                      "(DeepSpeed's default) or their sum.")
     zero_allow_untested_optimizer: bool = F(False, doc="DeepSpeed's guard for client optimizers.",
                                             status=STATUS_TUNING)
     comm_timeout_s: Number = F(300.0, gt=0, doc="zeropp extension: seconds any collective may wait for the "
@@ -238,11 +240,6 @@ class Unsupported:
 NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("fp16.fp16_master_weights_and_grads", lambda v: v is True,
                 "fp16 master weights (zeropp keeps fp32 masters); accepted: false"),
-    Unsupported("zero_optimization.reduce_scatter", lambda v: v is False,
-                "false asks for all-reduce gradient averaging; accepted: true"),
-    Unsupported("prescale_gradients", lambda v: v is True,
-                "dividing gradients before the reduction; accepted: false"),
-    Unsupported("gradient_predivide_factor", lambda v: v != 1.0, "accepted: 1.0"),
     Unsupported("optimizer.type", lambda v: v in DEEPSPEED_ONLY_OPTIMIZERS,
                 f"DeepSpeed-only optimizer; accepted: {', '.join(OPTIMIZER_TYPES)}"),
     Unsupported("tensor_parallel.autotp_size", lambda v: v > 1,
@@ -280,6 +277,15 @@ def _zeropp_below_stage3(cfg: ZeroppConfig) -> list[str]:
           if (getattr(zero, k) > 1 if k == "zero_hpz_partition_size" else getattr(zero, k) is True)]
     return [f"zero_optimization.{k}: needs zero_optimization.stage 3 (got stage {zero.stage}); "
             f"accepted below stage 3: false (1 for zero_hpz_partition_size)" for k in on]
+
+
+def _reduction_conflicts(cfg: ZeroppConfig) -> list[str]:
+    """qgZ is a quantized reduce-scatter: it cannot average by all-reduce."""
+    zero = cfg.zero_optimization
+    if not zero.reduce_scatter and zero.zero_quantized_gradients:
+        return ["zero_optimization.reduce_scatter: false cannot go with zero_quantized_gradients: true (qgZ is a "
+                "quantized reduce-scatter); accepted: true, or zero_quantized_gradients false"]
+    return []
 
 
 def _offload_conflicts(cfg: ZeroppConfig) -> list[str]:
@@ -339,7 +345,7 @@ def check_supported(cfg: ZeroppConfig, source: str | None = None, more: Iterable
     """Raise one `NotSupportedError` listing every `NOT_SUPPORTED` rule that `cfg` hits (and `more`: the
     DeepSpeed features switched on that `translate_legacy` set aside)."""
     hits = list(more) + [line for rule in NOT_SUPPORTED if (line := rule.check(cfg)) is not None]
-    hits += _zeropp_below_stage3(cfg) + _offload_conflicts(cfg) + _adam_conflicts(cfg)
+    hits += _zeropp_below_stage3(cfg) + _offload_conflicts(cfg) + _adam_conflicts(cfg) + _reduction_conflicts(cfg)
     if hits:
         raise NotSupportedError(hits, source)
 

@@ -257,8 +257,8 @@ class ZeroConfig(Section):
                            status=STATUS_TUNING)
     contiguous_gradients: bool = F(True, doc="Copy gradients into a contiguous buffer; zeropp always "
                                    "reduces into flat buffers.", status=STATUS_TUNING)
-    reduce_scatter: bool = F(True, doc="Reduce-scatter gradients (true). `false` asks for all-reduce: "
-                             "not supported yet.", status=STATUS_PARTIAL)
+    reduce_scatter: bool = F(True, doc="Reduce-scatter gradients (true). `false` averages them with an "
+                             "all-reduce of whole buckets, each rank keeping its part (twice the bytes).")
     allgather_partitions: bool = F(True, doc="All-gather vs. broadcasts in stage 1/2.", status=STATUS_TUNING)
     round_robin_gradients: bool = F(False, doc="Stage 1/2 CPU-offload copy ordering.", status=STATUS_TUNING)
     sub_group_size: DSInt = F(1_000_000_000, ge=0, doc="Optimizer-step tile size (DeepSpeed offload).",

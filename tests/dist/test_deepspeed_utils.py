@@ -151,9 +151,36 @@ def ds_views(rank: int) -> dict:
     return out
 
 
+REDUCTIONS = {"mean": {}, "all_reduce": {"reduce_scatter": False}, "sum": {"gradient_allreduce_op": "sum"},
+              "predivide": {"gradient_predivide_factor": 4.0},
+              "sum_predivide": {"gradient_allreduce_op": "sum", "gradient_predivide_factor": 4.0},
+              "prescale": {"prescale_gradients": True}}
+
+
+def reductions(rank: int) -> dict:
+    """The gradient each reduction setting gives (read as the step will use it), at stages 1-3."""
+    import deepspeed
+    from deepspeed import utils
+    out = {}
+    for stage in (1, 2, 3):
+        for name, extra in REDUCTIONS.items():
+            cfg = config(stage, False)
+            top = {k: v for k, v in extra.items() if k != "reduce_scatter"}
+            cfg.update(top)
+            cfg["zero_optimization"].update({k: v for k, v in extra.items() if k == "reduce_scatter"})
+            model = make_model(0)
+            engine, *_ = deepspeed.initialize(model=model, config=cfg)
+            engine.backward(ds_loss(engine, *ds_batch(0, rank)))
+            out[stage, name] = {n: utils.safe_get_full_grad(p) for n, p in model.named_parameters()}
+            engine.step()
+            engine.close()
+    return out
+
+
 def scenario(rank: int, world: int) -> dict:
     zeropp.install_deepspeed_alias()
-    out = {v: alias_run(rank, *v) for v in VARIANTS}
+    out: dict = {v: alias_run(rank, *v) for v in VARIANTS}
+    out["reductions"] = reductions(rank)
     out["leaves"] = leaf_units(rank)
     out["views"] = ds_views(rank)
     return out
@@ -248,3 +275,14 @@ def test_parameter_attributes_are_views_of_the_partitioned_state():
         assert len(set(v["ids"])) == len(v["ids"]) and v["engine_ids"] == list(range(len(v["engine_ids"])))
         assert v["tensor_is_local"] and v["tensor_after"]
         assert "read-only" in v["write"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reduction_settings_give_the_mean_or_the_sum(stage):
+    ref = reference()["grads"]
+    for res in results():
+        got = res["reductions"]
+        for name, factor in (("mean", 1), ("all_reduce", 1), ("predivide", 1), ("prescale", 1), ("sum", WORLD),
+                             ("sum_predivide", WORLD)):
+            for key, want in ref.items():
+                close(got[stage, name][key], want * factor, f"stage {stage} {name} {key}")

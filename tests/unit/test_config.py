@@ -282,9 +282,6 @@ def test_bf16_and_fp16_together_is_a_plain_config_error() -> None:
 @pytest.mark.parametrize("raw, path", [
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, **stage3()},
      "fp16.fp16_master_weights_and_grads"),
-    (stage3(reduce_scatter=False), "zero_optimization.reduce_scatter"),
-    ({"prescale_gradients": True, **stage3()}, "prescale_gradients"),
-    ({"gradient_predivide_factor": 2.0, **stage3()}, "gradient_predivide_factor"),
     ({"optimizer": {"type": "lamb", "params": {"lr": 1}}, **stage3()}, "optimizer.type"),
     ({"tensor_parallel": {"autotp_size": 2}, **stage3()}, "tensor_parallel.autotp_size"),
     ({"optimizer": {"type": "Adam", "params": {"bias_correction": False, "amsgrad": True}}, **stage3()},
@@ -304,10 +301,20 @@ def test_not_supported_yet(raw: dict, path: str) -> None:
 
 
 def test_not_supported_lists_every_hit() -> None:
-    err = error_of({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
-                    "zero_optimization": {"stage": 2, "reduce_scatter": False, "zero_quantized_weights": True}})
+    err = error_of({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, "aio": {"use_gds": True},
+                    "zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
     assert isinstance(err, NotSupportedError) and len(err.problems) == 3
     assert "zero_optimization.zero_quantized_weights: needs zero_optimization.stage 3 (got stage 2)" in str(err)
+
+
+def test_reduction_settings_deepspeed_has_load_and_qgz_without_reduce_scatter_is_refused() -> None:
+    cfg = load_config({"gradient_allreduce_op": "sum", "gradient_predivide_factor": 2.0, "prescale_gradients": True,
+                       **stage3(reduce_scatter=False)})
+    assert cfg.gradient_allreduce_op == "sum" and not cfg.zero_optimization.reduce_scatter
+    err = error_of(stage3(reduce_scatter=False, zero_quantized_gradients=True))
+    assert isinstance(err, NotSupportedError) and "reduce_scatter: false cannot go with zero_quantized_gradients" \
+        in str(err)
+    assert "accepted: 'mean' or 'sum'" in str(error_of({"gradient_allreduce_op": "max"}))
 
 
 def test_nvme_offload_loads_with_its_settings() -> None:

@@ -66,7 +66,7 @@ def test_deepspeed_features_load_when_off_and_are_refused_when_on() -> None:
                  "sparse_gradients": False, "communication_data_type": None})
     with pytest.raises(NotSupportedError) as err:
         load_config({"train_batch_size": 4, "flops_profiler": {"enabled": True}, "wandb": {"enabled": True},
-                     "zero_optimization": {"stage": 2, "reduce_scatter": False}})
+                     "aio": {"use_gds": True}})
     lines = err.value.problems
     assert len(lines) == 3
     assert lines[0].startswith("flops_profiler: not supported yet") and lines[1].startswith("wandb: not supported")

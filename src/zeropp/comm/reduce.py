@@ -1,4 +1,5 @@
-"""Plain gradient reductions: reduce-scatter (stages 1-3) and all-reduce (stage 0).
+"""Plain gradient reductions: reduce-scatter (stages 1-3), all-reduce (stage 0), and all-reduce keeping one row
+(stages 1-3 with DeepSpeed's ``reduce_scatter: false``).
 
 The reduce-scatter is built from one all-to-all plus a local fp32 sum.
 
@@ -112,6 +113,42 @@ class AllReduceMean(Stateless):
         summed = bucket.float()
         handle = self.comm.all_reduce(summed, self.comm.topo.world, Phase.GRAD_REDUCE, async_op=True)
         return _PendingMean(summed, handle, self.comm.topo.world_size)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return {}
+
+
+class _PendingRow:
+    def __init__(self, summed: torch.Tensor, handle: Handle, world: int, row: int) -> None:
+        self.summed, self.handle, self.world, self.row = summed, handle, world, row
+
+    def finish(self) -> torch.Tensor:
+        self.handle.wait()
+        if self.world:  # divide once, however often finish is called
+            self.summed[self.row].div_(self.world)
+            self.world = 0
+        return self.summed[self.row]
+
+    def progress(self) -> None:
+        pass
+
+    def recycle(self) -> None:
+        pass
+
+
+class AllReduceKeepRow(Stateless):
+    """DeepSpeed's ``reduce_scatter: false`` at stages 1-3: the whole ``[W, L]`` bucket is all-reduced (in fp32)
+    and averaged, and this rank keeps its row, the same mean a reduce-scatter gives (summed in the backend's order
+    instead of a local sum), for twice the bytes."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def start(self, bucket: torch.Tensor, segments: Sequence[int], names: Sequence[str] = ()) -> _PendingRow:
+        world = self.comm.topo.world
+        summed = bucket.float()
+        handle = self.comm.all_reduce(summed, world, Phase.GRAD_REDUCE, async_op=True)
+        return _PendingRow(summed, handle, world.size, world.index_of(self.comm.topo.rank))
 
     def buffer_bytes(self) -> dict[str, int]:
         return {}

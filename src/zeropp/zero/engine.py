@@ -120,6 +120,8 @@ class TrainPolicy:
     prefetch_bucket_size: int = 50_000_000  # stage 3: most elements one prefetch may gather (0: none)
     max_live_parameters: int = 1_000_000_000  # stage 3: gathered + in-flight elements a prefetch may reach
     broadcast_rank0: bool = True  # take rank 0's weights at construction (Note [one model at initialize])
+    grad_predivide: float = 1.0  # gradients divided by this before the reduction (DeepSpeed's predivide factor)
+    grad_sum: bool = False  # the step uses the ranks' summed gradient instead of their mean
 
 
 class _BackgroundUpdate:
@@ -502,15 +504,15 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
         Stages 2-3 reduce gradients into the owning shards as they appear; stages 0-1 accumulate them whole.
         """
         with self.timer.span("backward"):
-            gas = self.policy.gradient_accumulation_steps
-            scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            # the fp16 loss scale, the accumulation's mean and the reduction's pre-division, in one product
+            factor = self.loss_scale / (self.policy.gradient_accumulation_steps * self.policy.grad_predivide)
             self._backward_open = True
             self._grads_missing = {}
             self._order[Pass.BACKWARD] = []
             watch = self.use.watching() if self.use is not None else contextlib.nullcontext()
             try:
                 with watch:
-                    (loss * (scale / gas) if scale != 1.0 or gas > 1 else loss).backward()
+                    (loss * factor if factor != 1.0 else loss).backward()
             finally:
                 self._finish_backward()
 
@@ -584,7 +586,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
         Two passes over the gradient rows (the norm, then the update), each through the residency: with
         NVMe, a unit's row, master and optimizer state are in memory only while that unit is processed.
         """
-        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        unscale = self.grad_unscale
         cache: dict[Unit, torch.Tensor] = {}
         with self.timer.span("offload_io"):
             self.link.settle()  # the host rows are written below: no upload may still read them
@@ -595,8 +597,8 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
             g = cache.get(u)
             if g is None:
                 g = u.grad_row().to(torch.float32, copy=background)
-                if scale != 1.0:
-                    g.mul_(1.0 / scale)
+                if unscale != 1.0:
+                    g.mul_(unscale)
                 if not self.residency.swaps_states:
                     cache[u] = g
             return g
@@ -694,6 +696,14 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 when not training in fp16)."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def grad_unscale(self) -> float:
+        """What turns a reduced gradient row into the step's gradient: the fp16 loss scale out, and the
+        reduction's pre-division (``gradient_predivide_factor``) and mean (``gradient_allreduce_op``) settled:
+        rows hold ``sum / (W * predivide)``, the step wants the mean or, with ``sum``, the sum."""
+        post = self.policy.grad_predivide * (self.topo.world_size if self.policy.grad_sum else 1)
+        return post / self.loss_scale
 
     def _apply_update(self) -> None:
         """The optimizer and scheduler step on the fp32 masters (no collective: may run on a thread)."""

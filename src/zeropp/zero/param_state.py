@@ -121,17 +121,16 @@ def set_master(loc: Located, value: torch.Tensor, local: bool = False) -> None:
 def full_grad(loc: Located) -> Optional[torch.Tensor]:
     """The parameter's averaged, unscaled gradient as the next step will use it; None before any backward."""
     engine, slot = loc.engine, loc.slot
-    scale = engine.loss_scale
     if not engine.plan.reduces_as_ready:  # stages 0-1: whole local gradients until the boundary
         g = slot.param.grad
         if g is None:
             return None
         mean = g.detach().to(torch.float32).clone()
         engine.comm.all_reduce(mean, engine.topo.world, Phase.OTHER)
-        return mean.div_(engine.topo.world_size * scale)
+        return mean.mul_(engine.grad_unscale / engine.topo.world_size)
     if loc.unit.grad is None:
         return None
-    return _full(loc, loc.unit.grad_views()[loc.index]).div_(scale)
+    return _full(loc, loc.unit.grad_views()[loc.index]).mul_(engine.grad_unscale)
 
 
 def local_grad(loc: Located) -> Optional[torch.Tensor]:
@@ -142,13 +141,13 @@ def local_grad(loc: Located) -> Optional[torch.Tensor]:
     if loc.unit.grad is None:
         return None
     start, stop = loc.span
-    return loc.unit.grad_views()[loc.index][: stop - start].detach().float().div(loc.engine.loss_scale)
+    return loc.unit.grad_views()[loc.index][: stop - start].detach().float().mul(loc.engine.grad_unscale)
 
 
 def set_grad(loc: Located, value: torch.Tensor, local: bool = False) -> None:
     """Replace the gradient the next step uses (``value`` unscaled; ``local``: this rank's part, stages 2-3)."""
     engine, slot = loc.engine, loc.slot
-    scale = engine.loss_scale
+    scale = 1.0 / engine.grad_unscale  # what the rows hold per unit of the step's gradient
     if not engine.plan.reduces_as_ready:
         if local:
             raise ValueError("the local gradient is a ZeRO-3 (and 2) notion; use the full gradient at stages 0-1")
