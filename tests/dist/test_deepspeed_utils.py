@@ -85,6 +85,10 @@ class PairNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.pairs(x)).pow(2).mean()
 
+    def describe(self) -> str:
+        """A method of the user's model, which DeepSpeed's engine passes through."""
+        return f"{len(self.pairs)} pairs"
+
 
 def leaf_units(rank: int) -> dict:
     """The gather units ``initialize`` plans (granularity "module") for leaves marked each way."""
@@ -177,12 +181,35 @@ def reductions(rank: int) -> dict:
     return out
 
 
+def engine_module(rank: int) -> dict:
+    """The engine as DeepSpeed's is: an nn.Module around the model, attributes passed through."""
+    import deepspeed
+    model = PairNet()
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                           "zero_optimization": {"stage": 3}})
+    out = {"module": isinstance(engine, nn.Module), "names": [n for n, _ in engine.named_parameters()],
+           "model_names": [n for n, _ in model.named_parameters()], "same": all(
+               a is b for a, b in zip(engine.parameters(), model.parameters())),
+           "modules": [n for n, _ in engine.named_modules()][:2], "describe": engine.describe(),
+           "head": engine.head is model.head}
+    engine.eval()
+    out["eval"] = not model.training
+    engine.train()
+    try:
+        engine.compile()
+    except NotImplementedError as err:
+        out["compile"] = str(err)
+    engine.destroy()
+    return out
+
+
 def scenario(rank: int, world: int) -> dict:
     zeropp.install_deepspeed_alias()
     out: dict = {v: alias_run(rank, *v) for v in VARIANTS}
     out["reductions"] = reductions(rank)
     out["leaves"] = leaf_units(rank)
     out["views"] = ds_views(rank)
+    out["engine"] = engine_module(rank)
     return out
 
 
@@ -286,3 +313,12 @@ def test_reduction_settings_give_the_mean_or_the_sum(stage):
                              ("sum_predivide", WORLD)):
             for key, want in ref.items():
                 close(got[stage, name][key], want * factor, f"stage {stage} {name} {key}")
+
+
+def test_the_engine_is_a_module_that_passes_the_models_attributes_through():
+    for res in results():
+        got = res["engine"]
+        assert got["module"] and got["same"] and got["head"] and got["eval"]
+        assert got["names"] == ["module." + n for n in got["model_names"]]
+        assert got["modules"] == ["", "module"] and got["describe"] == "3 pairs"
+        assert "engine.compile is not implemented" in got["compile"]

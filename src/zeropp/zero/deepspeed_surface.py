@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 
 # DeepSpeedEngine methods and attributes that training code calls and zeropp does not provide (yet)
 MISSING_ENGINE_API = frozenset({
@@ -17,7 +18,7 @@ MISSING_ENGINE_API = frozenset({
     "get_mom", "get_pld_theta", "monitor", "flops_profiler", "curriculum_learning_enabled",
     "random_ltd_enabled", "compression_scheduler", "pipeline_parallelism", "eigenvalue_enabled",
     "sparse_gradients_enabled", "data_efficiency_enabled", "offload_states", "reload_states",
-    "compile", "is_compiled", "empty_partition_cache", "destroy", "no_sync", "set_data_post_process_func",
+    "compile", "is_compiled", "empty_partition_cache", "no_sync", "set_data_post_process_func",
     "set_custom_curriculum_learning_schedule", "get_sequence_parallel_group", "module_state_dict",
     "load_module_state_dict", "get_data_types", "optimizer_name", "timers", "tput_timer",
 })
@@ -89,7 +90,26 @@ class DeepSpeedSurface:
         """True: ``save_16bit_model`` (``checkpoint.CheckpointingEngine``) always gathers the full 16-bit weights."""
         return True
 
+    def destroy(self) -> None:
+        """DeepSpeed's name for releasing the engine's resources (``close``)."""
+        self.close()  # type: ignore[attr-defined]
+
+    def compile(self, backend: Any = None, compile_kwargs: Any = None, **kwargs: Any) -> None:
+        """DeepSpeed's ``engine.compile(backend=..., compile_kwargs=...)``: not implemented by zeropp yet (the
+        engine is an ``nn.Module``, whose own ``compile`` would compile around the engine's hooks)."""
+        raise DeepSpeedAPIError("DeepSpeed's engine.compile is not implemented by zeropp yet")
+
     def __getattr__(self, name: str) -> Any:
+        """An ``nn.Module``'s parameters, buffers and children first, then, as DeepSpeed's engine does, the
+        model's attributes (a method the user defined on the model); a DeepSpeed name zeropp lacks is an error
+        that names it."""
+        try:
+            return nn.Module.__getattr__(self, name)  # type: ignore[arg-type]
+        except AttributeError:
+            pass
         if name in MISSING_ENGINE_API:
             raise DeepSpeedAPIError(f"DeepSpeed's engine.{name} is not implemented by zeropp yet")
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and not (name.startswith("__") and name.endswith("__")):
+            return getattr(module, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

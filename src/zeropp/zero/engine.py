@@ -152,11 +152,13 @@ class Pass(enum.Enum):
 _LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
 
 
-class ZeroEngine(EngineReports, DeepSpeedSurface):
+class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
     """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.initialize`.
 
     Use it like DeepSpeed's engine: ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``;
-    DeepSpeed's accessors (``train_batch_size()``, ``get_lr()``, ...) come from :class:`DeepSpeedSurface`.
+    DeepSpeed's accessors (``train_batch_size()``, ``get_lr()``, ...) come from :class:`DeepSpeedSurface`. As
+    DeepSpeed's engine, it is an ``nn.Module`` whose one child is the model (``engine.module``: its parameters
+    are ``engine.named_parameters()`` under ``module.``), and an attribute it lacks is the model's.
     Checkpoints are not here: ``zeropp.checkpoint`` reads and writes the state this class exposes, and
     ``initialize`` returns its subclass ``CheckpointingEngine``, which adds ``save_checkpoint`` & co.
     (this module must never import ``zeropp.checkpoint``: tests/unit/test_layers.py).
@@ -177,6 +179,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
         residency: Optional[Resident] = None,
         link: Optional[HostLink] = None,
     ) -> None:
+        nn.Module.__init__(self)
         self.module = module
         self.residency = residency or Resident()  # where model states wait between uses (NVMe or memory)
         self.link = link or HostLink()  # how offloaded rows cross between device and host
@@ -475,7 +478,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
         self._last_order[which], self._order[which] = self._order[which], []
 
     # ---- public training API -----------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward, gathering each unit's weights just in time."""
         cast = lambda t: (  # noqa: E731 - floating inputs follow the compute dtype, as the weights do
             t.to(self.policy.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -495,8 +498,6 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
                     self._release(unit, Pass.FORWARD)
             self.strategies.forward_gather.settle()  # Note [deferred weight checks] in plus/qwz.py
             return out
-
-    forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
@@ -755,16 +756,6 @@ class ZeroEngine(EngineReports, DeepSpeedSurface):
     def get_global_grad_norm(self) -> Optional[float]:
         """The global gradient norm before clipping, as computed at the last optimizer step."""
         return self._global_grad_norm
-
-    def train(self, mode: bool = True) -> "ZeroEngine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "ZeroEngine":
-        return self.train(False)
-
-    def parameters(self):  # noqa: ANN201 - mirrors nn.Module
-        return self.module.parameters()
 
     # ---- weights in and out ------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
