@@ -26,7 +26,7 @@ class EngineModule(nn.Module):
     def __init__(self, engine: ZeroEngine) -> None:
         super().__init__()
         self.module = engine.module
-        self._engine = engine  # not an nn.Module: a plain attribute
+        self.__dict__["_engine"] = engine  # not a child: the model is registered once, as `module`
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._engine(*args, **kwargs)
