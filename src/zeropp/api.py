@@ -282,6 +282,7 @@ def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainP
         grad_predivide=float(torch.distributed.get_world_size()) if cfg.prescale_gradients
         else cfg.gradient_predivide_factor,
         grad_sum=cfg.gradient_allreduce_op == "sum",
+        ignore_unused_parameters=zero.ignore_unused_parameters,
     )
 
 

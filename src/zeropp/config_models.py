@@ -263,8 +263,8 @@ class ZeroConfig(Section):
     round_robin_gradients: bool = F(False, doc="Stage 1/2 CPU-offload copy ordering.", status=STATUS_TUNING)
     sub_group_size: DSInt = F(1_000_000_000, ge=0, doc="Optimizer-step tile size (DeepSpeed offload).",
                               status=STATUS_TUNING)
-    ignore_unused_parameters: bool = F(True, doc="Tolerate parameters without gradients.",
-                                       status=STATUS_TUNING)
+    ignore_unused_parameters: bool = F(True, doc="Stages 1-2: tolerate trainable parameters that get no gradient "
+                                       "(false: each backward checks, and every rank raises naming them).")
     load_from_fp32_weights: bool = F(True, doc="Restore fp32 master weights from checkpoints; zeropp "
                                      "always does.", status=STATUS_TUNING)
     memory_efficient_linear: bool = F(True, doc="DeepSpeed replaces torch's linear under stage 3 so its "

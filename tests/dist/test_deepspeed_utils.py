@@ -203,6 +203,52 @@ def engine_module(rank: int) -> dict:
     return out
 
 
+def gathered_writes(rank: int) -> dict:
+    """An in-place write inside GatheredParameters(modifier_rank=None), made on rank 1 only: every rank raises,
+    before initialize (parameters partitioned by zero.Init) and after."""
+    import deepspeed
+    out = {}
+    with deepspeed.zero.Init():
+        model = PairNet()
+    for when in ("constructed", "engine"):
+        if when == "engine":
+            engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                                   "zero_optimization": {"stage": 3}})
+        params = [model.pairs[0].a.weight, model.head.weight]
+        try:
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None), torch.no_grad():
+                if rank == 1:
+                    model.head.weight.add_(0.0)
+            out[when] = None
+        except RuntimeError as err:
+            out[when] = str(err)
+        with deepspeed.zero.GatheredParameters(params), torch.no_grad():  # reading alone raises nothing
+            out[when + "_read"] = float(model.head.weight.sum())
+    engine.close()
+    return out
+
+
+def unused(rank: int) -> dict:
+    """A parameter no loss uses, at stages 1-2 with ignore_unused_parameters false (and true)."""
+    out = {}
+    for stage in (1, 2):
+        for ignore in (False, True):
+            model = PairNet()
+            cfg = {"train_micro_batch_size_per_gpu": 1,
+                   "zero_optimization": {"stage": stage, "ignore_unused_parameters": ignore}}
+            engine, *_ = zeropp.initialize(model=model, config=cfg)
+            x = torch.ones(2, 4)
+            try:  # the head never runs
+                loss = engine.module.pairs(x).sum()
+                engine.backward(loss)
+                engine.step()
+                out[stage, ignore] = None
+            except RuntimeError as err:
+                out[stage, ignore] = str(err)
+            engine.close()
+    return out
+
+
 def scenario(rank: int, world: int) -> dict:
     zeropp.install_deepspeed_alias()
     out: dict = {v: alias_run(rank, *v) for v in VARIANTS}
@@ -210,6 +256,8 @@ def scenario(rank: int, world: int) -> dict:
     out["leaves"] = leaf_units(rank)
     out["views"] = ds_views(rank)
     out["engine"] = engine_module(rank)
+    out["writes"] = gathered_writes(rank)
+    out["unused"] = unused(rank)
     return out
 
 
@@ -322,3 +370,20 @@ def test_the_engine_is_a_module_that_passes_the_models_attributes_through():
         assert got["names"] == ["module." + n for n in got["model_names"]]
         assert got["modules"] == ["", "module"] and got["describe"] == "3 pairs"
         assert "engine.compile is not implemented" in got["compile"]
+
+
+def test_an_in_place_write_in_a_read_only_gather_raises_on_every_rank():
+    for res in results():
+        for when in ("constructed", "engine"):
+            err = res["writes"][when]
+            assert err is not None and "in-place modification" in err and "rank(s) [1]" in err, (when, err)
+        assert res["writes"]["constructed_read"] == res["writes"]["engine_read"]
+
+
+def test_unused_parameters_are_named_at_stages_1_and_2_when_asked():
+    for res in results():
+        for stage in (1, 2):
+            err = res["unused"][stage, False]
+            assert err is not None and "got no gradient" in err and "rank(s) [0, 1]" in err, (stage, err)
+            assert "'head.weight'" in err
+            assert res["unused"][stage, True] is None

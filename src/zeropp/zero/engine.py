@@ -122,6 +122,7 @@ class TrainPolicy:
     broadcast_rank0: bool = True  # take rank 0's weights at construction (Note [one model at initialize])
     grad_predivide: float = 1.0  # gradients divided by this before the reduction (DeepSpeed's predivide factor)
     grad_sum: bool = False  # the step uses the ranks' summed gradient instead of their mean
+    ignore_unused_parameters: bool = True  # stages 1-2, False: a trainable parameter without gradient raises
 
 
 class _BackgroundUpdate:
@@ -229,6 +230,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._grads_missing: dict[Unit, int] = {}
+        self._grads_seen: set[tuple[int, int]] = set()  # (unit, slot) whose gradient arrived this backward
         self.order = CollectiveOrder()  # Note [collective order]
         self._backward_open = False
         self.micro_steps = 0
@@ -400,6 +402,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         @unwatched
         def hook(param: nn.Parameter) -> None:
             grad, param.grad = param.grad, None
+            self._grads_seen.add((unit.index, slot_index))
             self.order.note(REDUCE, unit.index, slot_index)  # the add order decides what each bucket holds
             self.buckets.add(unit, slot_index, grad)
             left = (self._grads_missing[unit] if unit in self._grads_missing else unit.needs_grad()) - 1
@@ -509,6 +512,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             factor = self.loss_scale / (self.policy.gradient_accumulation_steps * self.policy.grad_predivide)
             self._backward_open = True
             self._grads_missing = {}
+            self._grads_seen = set()
             self._order[Pass.BACKWARD] = []
             watch = self.use.watching() if self.use is not None else contextlib.nullcontext()
             try:
@@ -520,12 +524,31 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
     @unwatched
     def _finish_backward(self) -> None:
         self.buckets.finish()
+        if not self.policy.ignore_unused_parameters and self.plan.shards_optimizer and not self.plan.shards_weights:
+            self._check_unused()
         if self.plan.shards_weights:
             self._drain_prefetches(Pass.BACKWARD)
             for unit in self.units:
                 self._release(unit, Pass.BACKWARD)
         self._backward_open = False
         self.strategies.backward_gather.settle()
+
+    def _check_unused(self) -> None:
+        """Stages 1-2 with ``ignore_unused_parameters: false`` (DeepSpeed's check): every trainable parameter must
+        have a gradient after each backward; the ranks agree (one all-reduce), so every rank raises."""
+        arrived = (lambda u, i, s: (u.index, i) in self._grads_seen) if self.plan.reduces_as_ready else \
+            (lambda u, i, s: s.param.grad is not None)
+        unused = [s.name for u in self._stepped for i, s in enumerate(u.slots)
+                  if s.param.requires_grad and not arrived(u, i, s)]
+        flags = torch.zeros(self.topo.world_size)
+        flags[self.topo.rank] = float(bool(unused))
+        self.comm.all_reduce(flags, self.topo.world, Phase.OTHER)
+        ranks = [r for r, f in enumerate(flags.tolist()) if f]
+        if ranks:
+            raise RuntimeError(f"parameters {unused[:10] or '(on other ranks)'} got no gradient in this backward "
+                               f"(rank(s) {ranks}): they were not used to compute the loss. Set "
+                               "zero_optimization.ignore_unused_parameters to true (the default) to train on "
+                               "without them, or remove them from the model or from model_parameters")
 
     def _reduce_whole_gradients(self) -> None:
         """Stages 0-1, at the boundary: reduce every accumulated full gradient into its shard.

@@ -21,6 +21,7 @@ from torch import nn
 from zeropp.comm.ledger import Phase
 from zeropp.partition.construction import PARAMS
 from zeropp.partition.unit import ParamSlot, Unit, UnitState
+from zeropp.partition.access import ParameterAccessError
 from zeropp.zero.param_use import register_external_parameter
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ class GatheredParameters:
         self.enabled = enabled
         self._opened: list[_Opened] = []
         self._constructed: list[nn.Parameter] = []
+        self._versions: list[int] = []
 
     def __enter__(self) -> "GatheredParameters":
         if not self.enabled or not self.params:
@@ -129,11 +131,15 @@ class GatheredParameters:
                                  f"world of {engine.topo.world_size}")
             if any(id(s.param) in ids for u in engine.units for s in u.slots):
                 self._opened.append(_Opened(engine, ids, snapshot=self.modifier_rank is not None))
+        self._versions = [p._version for p in self.params]  # in-place writes bump them (Note below)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         opened, self._opened = self._opened, []
         constructed, self._constructed = self._constructed, []
+        written = []
+        if exc_type is None and self.modifier_rank is None and (opened or constructed):
+            written = self._writes_anywhere(opened[0].engine.comm if opened else PARAMS.comm)
         for p in constructed:
             rec = PARAMS.get(p)
             if rec is not None:
@@ -147,3 +153,27 @@ class GatheredParameters:
         finally:
             for o in opened:
                 o.close()
+        if written:
+            raise ParameterAccessError(
+                f"GatheredParameters(modifier_rank=None): an in-place modification of parameters "
+                f"{written[1:] or '(on another rank)'} inside the block, on rank(s) {written[0]}, is discarded at its "
+                "end: with modifier_rank=None the gathered values are for reading. Pass modifier_rank=r to make rank "
+                "r's values the parameters everywhere")
+
+    def _writes_anywhere(self, comm: Any) -> list:
+        """Note [writes in a read-only gather]: parameters written in place inside a ``modifier_rank=None`` block
+        (their version counters moved) would lose the write silently, on the ranks that made it; the ranks agree
+        (one all-reduce) so that every rank raises. ``[ranks that wrote, names written here...]``, or ``[]``."""
+        mine = [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+        flags = torch.zeros(comm.topo.world_size)
+        flags[comm.topo.rank] = float(bool(mine))
+        comm.all_reduce(flags, comm.topo.world, Phase.OTHER)
+        ranks = [r for r, f in enumerate(flags.tolist()) if f]
+        if not ranks:
+            return []
+        names = {id(s.param): s.name for engine in list(_ENGINES) for u in engine.units for s in u.slots}
+
+        def name(p: nn.Parameter, i: int) -> str:
+            rec = PARAMS.get(p)
+            return names.get(id(p)) or (rec.label if rec is not None else f"params[{i}]")
+        return [ranks] + [name(self.params[i], i) for i in mine]
