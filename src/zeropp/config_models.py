@@ -237,8 +237,8 @@ class ZeroConfig(Section):
                      "gradients, 3 also parameters.")
     reduce_bucket_size: DSInt = F(500_000_000, ge=0, doc="Gradient elements reduced per bucket "
                                   "(rounded to whole parameters; 0 reduces each parameter on its own).")
-    allgather_bucket_size: DSInt = F(500_000_000, ge=1, doc="Stage 1/2 all-gather bucket size.",
-                                     status=STATUS_TUNING)
+    allgather_bucket_size: DSInt = F(500_000_000, ge=1, doc="Stage 1/2 all-gather bucket size (even, as "
+                                     "DeepSpeed requires).", status=STATUS_TUNING)
     stage3_prefetch_bucket_size: DSInt = F(50_000_000, ge=0, doc="Most elements one prefetch may gather (the "
                                            "next unit, one at a time); 0 turns prefetching off.")
     stage3_param_persistence_threshold: DSInt = F(100_000, ge=0, doc="Parameters smaller than this stay "
@@ -313,6 +313,14 @@ class ZeroConfig(Section):
     def _stage_range(cls, v: int) -> int:
         if v not in (0, 1, 2, 3):
             raise problem(f"must be 0, 1, 2 or 3, got {v}", "0, 1, 2 or 3")
+        return v
+
+    @field_validator("allgather_bucket_size")
+    @classmethod
+    def _allgather_alignment(cls, v: int) -> int:
+        if v % 2:  # DeepSpeed's stage 1/2 asserts it (a multiple of its 2-element NCCL start alignment)
+            raise problem(f"must be a multiple of 2 (DeepSpeed's alignment of 16-bit buckets), got {v}",
+                          "an even number")
         return v
 
     @field_validator("zero_quantized_weights_bits")

@@ -317,6 +317,11 @@ def test_reduction_settings_deepspeed_has_load_and_qgz_without_reduce_scatter_is
     assert "accepted: 'mean' or 'sum'" in str(error_of({"gradient_allreduce_op": "max"}))
 
 
+def test_an_odd_allgather_bucket_size_is_refused_as_deepspeed_refuses_it() -> None:
+    assert "allgather_bucket_size: must be a multiple of 2" in str(error_of(stage3(allgather_bucket_size=5e8 + 1)))
+    assert load_config(stage3(allgather_bucket_size=2e8)).zero_optimization.allgather_bucket_size == 200_000_000
+
+
 def test_nvme_offload_loads_with_its_settings() -> None:
     cfg = load_config(stage3(offload_optimizer={"device": "nvme", "nvme_path": "/x", "buffer_count": 2},
                              offload_param={"device": "nvme", "nvme_path": "/y", "buffer_size": 1000}))
