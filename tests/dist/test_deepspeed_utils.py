@@ -194,6 +194,13 @@ def engine_module(rank: int) -> dict:
            "head": engine.head is model.head}
     engine.eval()
     out["eval"] = not model.training
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+    with unwrap_model_for_generation(engine) as unwrapped, torch.no_grad():
+        outs = [float(unwrapped(torch.ones(1, 4))) for _ in range(3)]
+        out["held"] = all(u.state.value == "gathered" for u in engine.units)
+    out["generate"] = {"same": len(set(outs)) == 1, "released": all(u.state.value == "sharded" for u in engine.units),
+                       "forward_gathers": sum(t.calls for (phase, _), t in engine.ledger.current.items()
+                                              if phase.value == "forward_gather")}
     engine.train()
     try:
         engine.compile()
@@ -370,6 +377,8 @@ def test_the_engine_is_a_module_that_passes_the_models_attributes_through():
         assert got["names"] == ["module." + n for n in got["model_names"]]
         assert got["modules"] == ["", "module"] and got["describe"] == "3 pairs"
         assert "engine.compile is not implemented" in got["compile"]
+        assert got["held"] and got["generate"]["same"] and got["generate"]["released"]
+        assert got["generate"]["forward_gathers"] == 0  # gathered once on entry, not per forward
 
 
 def test_an_in_place_write_in_a_read_only_gather_raises_on_every_rank():

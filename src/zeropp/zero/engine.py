@@ -21,10 +21,9 @@ import contextlib
 import enum
 import logging
 import math
-import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -43,6 +42,7 @@ from zeropp.partition.values import Plan, UnitValues, agreed_rng
 from zeropp.partition.unit import FrozenUnit, Unit, UnitState, check_requires_grad
 from zeropp.topology import Topology
 from zeropp.zero import gathered
+from zeropp.zero.background import BackgroundUpdate
 from zeropp.zero.buckets import GradBuckets
 from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_state_dict
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
@@ -123,26 +123,6 @@ class TrainPolicy:
     grad_predivide: float = 1.0  # gradients divided by this before the reduction (DeepSpeed's predivide factor)
     grad_sum: bool = False  # the step uses the ranks' summed gradient instead of their mean
     ignore_unused_parameters: bool = True  # stages 1-2, False: a trainable parameter without gradient raises
-
-
-class _BackgroundUpdate:
-    """One optimizer update on a daemon thread; ``wait`` re-raises what it raised."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="zeropp-delayed-update", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as err:  # re-raised on the training thread by wait()
-            self._error = err
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
 
 class Pass(enum.Enum):
@@ -231,13 +211,14 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._grads_missing: dict[Unit, int] = {}
         self._grads_seen: set[tuple[int, int]] = set()  # (unit, slot) whose gradient arrived this backward
+        self._held_whole = False  # every unit gathered and kept (held_whole): the hooks release nothing
         self.order = CollectiveOrder()  # Note [collective order]
         self._backward_open = False
         self.micro_steps = 0
         self.global_steps = 0
         self._global_grad_norm: Optional[float] = None
         self._skipped = False
-        self._update: Optional[_BackgroundUpdate] = None
+        self._update: Optional[BackgroundUpdate] = None
         self.ledger.reset()  # set-up traffic is not a training step
         self.timer.reset()
         breakdown = config is not None and getattr(config, "wall_clock_breakdown", False)
@@ -462,7 +443,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
     @_OUTSIDE_INFERENCE_MODE
     @unwatched
     def _release(self, unit: Unit, which: Pass) -> None:
-        if unit.state is UnitState.GATHERED:
+        if unit.state is UnitState.GATHERED and not self._held_whole:
             self._strategy(which).on_release(unit)
             self.gathered_weights.released(unit)
             unit.release()
@@ -639,7 +620,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
             if background:
                 self._set_master_grads(self._stepped, fp32_grad, coef)
-                self._update = _BackgroundUpdate(self._apply_update)
+                self._update = BackgroundUpdate(self._apply_update)
             else:
                 for group in self.residency.optimizer_pass(self._stepped):
                     self._set_master_grads(group, fp32_grad, coef)
@@ -791,6 +772,21 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         Every entry is checked before anything is written, so a bad state dict leaves the engine unchanged.
         """
         load_consolidated_state_dict(self, state)
+
+    @contextlib.contextmanager
+    def held_whole(self) -> Iterator[None]:
+        """Stage 3: gather every unit once and keep them all gathered for the block (generation: many forwards
+        of one token each would otherwise gather every unit per token); collective on entry. The weights are
+        read-only inside (``GatheredParameters`` semantics): train outside the block."""
+        if not self.plan.shards_weights or self._held_whole:
+            yield
+            return
+        with gathered.GatheredParameters([s.param for u in self.units for s in u.slots]):
+            self._held_whole = True
+            try:
+                yield
+            finally:
+                self._held_whole = False
 
     def masters_changed(self) -> None:
         """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""

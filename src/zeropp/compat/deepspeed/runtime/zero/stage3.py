@@ -1,14 +1,21 @@
 """``deepspeed.runtime.zero.stage3``: names scripts import from DeepSpeed's ZeRO-3 module."""
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 
 
-def unwrap_model_for_generation(model: Any) -> Any:
-    """Not implemented yet: gather every parameter once and take the engine's hooks off for ``generate()``."""
-    raise DeepSpeedAPIError("DeepSpeed's deepspeed.runtime.zero.stage3.unwrap_model_for_generation is not implemented "
-                            "by zeropp yet; call generate() on the engine's module directly (each module's weights "
-                            "are gathered as it runs), or inside zeropp.zero.GatheredParameters(model.parameters())")
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
+    """Gather every parameter of the engine ``model`` once and keep them gathered for the block, so that
+    ``generate()`` does not gather every unit for every token (``ZeroEngine.held_whole``); yields ``model``.
+    Every rank enters the block. The weights are for reading inside it."""
+    held = getattr(model, "held_whole", None)
+    if held is None:
+        raise DeepSpeedAPIError(f"unwrap_model_for_generation takes the engine deepspeed.initialize returned, got "
+                                f"a {type(model).__name__}")
+    with held():
+        yield model
 
 
 __all__ = ["unwrap_model_for_generation"]
