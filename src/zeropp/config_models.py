@@ -235,8 +235,10 @@ class ZeroConfig(Section):
 
     stage: DSInt = F(0, doc="ZeRO stage: 0 plain data parallelism, 1 partitions optimizer state, 2 also "
                      "gradients, 3 also parameters.")
-    reduce_bucket_size: DSInt = F(500_000_000, ge=0, doc="Gradient elements reduced per bucket "
-                                  "(rounded to whole parameters; 0 reduces each parameter on its own).")
+    reduce_bucket_size: DSInt | None = F(None, ge=0, doc="16-bit gradient elements held in buckets at once, "
+                                         "as in DeepSpeed: two buckets of half, one reducing while backward fills "
+                                         "the next (0 reduces each parameter on its own). Left out: a quarter of "
+                                         "the trainable elements, within [1e6, 2e8] (docs/config.md, \"Buckets\").")
     allgather_bucket_size: DSInt = F(500_000_000, ge=1, doc="Stage 1/2 all-gather bucket size (even, as "
                                      "DeepSpeed requires).", status=STATUS_TUNING)
     stage3_prefetch_bucket_size: DSInt = F(50_000_000, ge=0, doc="Most elements one prefetch may gather (the "

@@ -20,20 +20,22 @@ from torch import nn
 import zeropp
 from zeropp import checkpointing
 from zeropp.offload.link import ThreadedLink
+from zeropp.comm.ledger import Link, Phase
 from support.world import run_world
 
 BUCKET = 4096  # reduce_bucket_size, elements
 DIM, HIDDEN, VOCAB, SEQ, MICRO = 32, 96, 16, 16, 2
+WIDE_DIM, WIDE_HIDDEN, WIDE_LAYERS = 256, 1024, 8  # 4.2M parameters: more than the default bucket
 ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
 
 
 class Stack(nn.Module):
     """An embedding and ``layers`` MLP blocks (one gather unit each), optionally checkpointed."""
 
-    def __init__(self, layers: int, checkpointed: bool = False) -> None:
+    def __init__(self, layers: int, checkpointed: bool = False, dim: int = DIM, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
                                     for _ in range(layers))
         self.checkpointed = checkpointed
 
@@ -50,11 +52,14 @@ def _config(zero: dict) -> dict:
             "zero_optimization": {"stage": 3, "reduce_bucket_size": BUCKET, **zero}}
 
 
-def _train(rank: int, layers: int, zero: dict, checkpointed: bool = False, steps: int = 2) -> dict:
+def _train(rank: int, layers: int, zero: dict, checkpointed: bool = False, steps: int = 2, wide: bool = False) -> dict:
     torch.manual_seed(0)
-    model = Stack(layers, checkpointed)
+    model = Stack(layers, checkpointed, *((WIDE_DIM, WIDE_HIDDEN) if wide else ()))
     elements = sum(p.numel() for p in model.parameters())
-    engine, *_ = zeropp.initialize(model=model, config=_config(zero))
+    config = _config(zero)
+    if zero.get("reduce_bucket_size", BUCKET) is None:  # the default: no bucket key at all
+        del config["zero_optimization"]["reduce_bucket_size"]
+    engine, *_ = zeropp.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
         loss = engine(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g))
@@ -63,6 +68,9 @@ def _train(rank: int, layers: int, zero: dict, checkpointed: bool = False, steps
     report = engine.memory_report()
     report["model_elements"] = elements
     report["largest_unit"] = max(sum(s.spec.padded for s in u.slots) for u in engine.units)
+    report["reduce_bucket_size"] = engine.reduce_bucket_size
+    report["largest_param"] = max(s.spec.padded for u in engine.units for s in u.slots)
+    report["reductions"] = engine.ledger.last_step[(Phase.GRAD_REDUCE, Link.INTRA_NODE)].calls  # qgZ: 1 hop-1 a bucket
     return report
 
 
@@ -71,6 +79,8 @@ def worker(rank: int, world: int) -> dict:
     for name, zero in (("zero3", {}), ("zeropp", ZEROPP)):
         for layers in (8, 24):
             out[(name, layers)] = _train(rank, layers, zero)
+    for name, bucket in (("default", None), ("deepspeed_default", 500_000_000)):
+        out[name] = _train(rank, WIDE_LAYERS, {**ZEROPP, "reduce_bucket_size": bucket}, wide=True)
     big = max(out[("zero3", 24)]["largest_unit"], 1)
     out["no_prefetch"] = _train(rank, 8, {"stage3_prefetch_bucket_size": 0})
     out["max_live"] = _train(rank, 8, {"stage3_max_live_parameters": big})  # no room for a second block
@@ -105,6 +115,38 @@ def test_every_buffer_stays_within_its_bound_on_a_model_ten_times_the_bounds(rep
             {k: v["bytes"] for k, v in small["buffers"].items()}, rank
         assert big["buffer_bound"] == small["buffer_bound"]
         assert big["buffer_bytes"] < big["model_states"]["total"]
+
+
+def _qgz_working_set(bucket: int, world: int, nodes: int, per_node: int, segments: int, bits: int = 4,
+                     block: int = 2048) -> int:
+    """qgZ's buffers for one bucket of ``bucket`` elements: per hop a send and a receive slab of ``world`` wire rows
+    (a row: ``L = bucket / world`` elements at ``bits``, plus a 4-byte scale per block, at most ``L / block +
+    segments`` blocks), two leases of scale scratch, and the fp32 result row of ``L`` elements."""
+    row = -(-bucket // world)
+    blocks = -(-row // block) + segments
+    wire = world * (-(-row * bits // 8) + 4 * blocks)
+    hops = 2 if nodes > 1 and per_node > 1 else 1
+    return 2 * hops * wire + 2 * world * blocks * 4 + 4 * row
+
+
+@pytest.mark.parametrize("case", ["default", "deepspeed_default"])
+def test_buffers_stay_within_deepspeeds_bucket_bytes_on_2x2(reports: list[dict], case: str) -> None:
+    """Buffers <= 2 B x (reduce_bucket_size + stage3_prefetch_bucket_size) + 2 gathered units + qgZ's working set
+    for the two buckets in flight, with the default config and with DeepSpeed's default 5e8 written out."""
+    prefetch = 50_000_000  # stage3_prefetch_bucket_size's default
+    for rank, rep in enumerate(reports):
+        r = rep[case]
+        if case == "default":  # a quarter of the trainable elements (padded to whole chunks)
+            assert r["model_elements"] // 4 <= r["reduce_bucket_size"] <= (r["model_elements"] + 4096) // 4, r
+        else:
+            assert r["reduce_bucket_size"] == 500_000_000
+        bucket = min(max(r["reduce_bucket_size"] // 2, r["largest_param"]), r["model_elements"] + 4096)
+        qgz = 2 * _qgz_working_set(bucket, world=4, nodes=2, per_node=2, segments=1 + 4 * WIDE_LAYERS)
+        bound = 2 * (r["reduce_bucket_size"] + prefetch) + 2 * 2 * r["largest_unit"] + qgz
+        assert 0 < r["buffer_bytes"] <= bound, (rank, r["buffers"])
+        assert r["buffers"]["grad_buckets"]["bytes"] <= 2 * r["reduce_bucket_size"]  # 16-bit elements in buckets
+    # the default cuts backward into several reductions; 5e8 is one bucket for this model, as in DeepSpeed
+    assert reports[0]["default"]["reductions"] >= 4 and reports[0]["deepspeed_default"]["reductions"] == 1
 
 
 def test_the_zeropp_strategies_report_their_pools(reports: list[dict]) -> None:

@@ -99,7 +99,8 @@ def test_defaults_follow_deepspeed() -> None:
     cfg = ZeroppConfig()
     zero = cfg.zero_optimization
     assert zero.stage == 0  # DeepSpeed's default; load_config then reports it as not supported yet
-    assert zero.reduce_bucket_size == zero.allgather_bucket_size == 500_000_000
+    assert zero.allgather_bucket_size == 500_000_000
+    assert zero.reduce_bucket_size is None  # a deliberate difference: sized from the model (Note [bucket size])
     assert zero.stage3_prefetch_bucket_size == 50_000_000
     assert zero.stage3_param_persistence_threshold == 100_000
     assert zero.zero_hpz_partition_size == 1 and zero.quantization_block_size == 2048

@@ -99,7 +99,8 @@ def test_fits_flips_where_the_bytes_say() -> None:
     states = accounting.model_state_bytes(numels, 8)  # ZeRO-3, bf16, Adam: (2 + 2 + 12) M / P
     row = evaluate(model, Choice(3), hw, work)
     assert row.memory.states["total"] == states
-    working = 3 * min(work.bucket, model.params) * 2  # buckets: filling, reducing, received
+    # two buckets of half reduce_bucket_size (filling, reducing), each with its received rows, in bf16
+    working = 2 * min(max(work.bucket // 2, max(numels)), model.params) * 2 * 2
     working += (model.units[0].numel + 2 * model.units[1].numel) * 2
     need = states + working + activation_bytes(model, 1, 1024, False)
     assert row.memory.need == need

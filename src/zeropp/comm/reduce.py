@@ -6,7 +6,7 @@ The reduce-scatter is built from one all-to-all plus a local fp32 sum.
 gloo's own reduce_scatter moves as many bytes as an all-reduce (twice the ring optimum; see
 shared/NETSIM.md), which would handicap the ZeRO-3 baseline. An all-to-all sends each rank exactly the
 rows it owns, (W-1)/W of the bucket per rank, and summing in fp32 avoids 16-bit accumulation error.
-The receive rows, their fp32 copy and the result row come from pools (Note [buffer pool] in
+The receive rows and the fp32 result row come from pools (Note [buffer pool] in
 ``comm/buffers.py``).
 """
 from __future__ import annotations
@@ -29,15 +29,11 @@ class _PendingSum:
         if self.result is not None:
             return self.result
         self.handle.wait()
-        w, length = self.received.shape
-        summed = self.received
-        if summed.dtype != torch.float32:
-            summed = self.pools["fp32"].take(w * length, torch.float32, summed.device).view(w, length)
-            summed.copy_(self.received)
-        self.result = self.pools["result"].take(length, torch.float32, summed.device)
-        torch.sum(summed, dim=0, out=self.result).div_(self.world)
-        if summed is not self.received:
-            self.pools["fp32"].give(summed)
+        length = self.received.shape[1]
+        # cast to fp32 inside the reduction: the bits of an fp32 copy summed over dim 0, without that copy
+        # (4 bytes per bucket element)
+        self.result = self.pools["result"].take(length, torch.float32, self.received.device)
+        torch.sum(self.received, dim=0, dtype=torch.float32, out=self.result).div_(self.world)
         self.pools["recv"].give(self.received)
         return self.result
 
@@ -68,7 +64,7 @@ class AllToAllReduceScatter(Stateless):
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
-        self.pools = BufferPools("reduce", "recv", "fp32", "result")
+        self.pools = BufferPools("reduce", "recv", "result")
 
     def start(self, bucket: torch.Tensor, segments: Sequence[int], names: Sequence[str] = ()) -> _PendingSum:
         world = self.comm.topo.world
@@ -78,6 +74,10 @@ class AllToAllReduceScatter(Stateless):
 
     def buffer_bytes(self) -> dict[str, int]:
         return self.pools.buffer_bytes()
+
+    def buffer_bound(self, elements: int, segments: int, itemsize: int) -> int:
+        """The receive rows (the bucket's size) and the fp32 result row (this rank's share)."""
+        return elements * itemsize + 4 * -(-elements // self.comm.topo.world_size)
 
 
 class _PendingMean:
@@ -117,6 +117,9 @@ class AllReduceMean(Stateless):
     def buffer_bytes(self) -> dict[str, int]:
         return {}
 
+    def buffer_bound(self, elements: int, segments: int, itemsize: int) -> int:
+        return 0
+
 
 class _PendingRow:
     def __init__(self, summed: torch.Tensor, handle: Handle, world: int, row: int) -> None:
@@ -152,3 +155,6 @@ class AllReduceKeepRow(Stateless):
 
     def buffer_bytes(self) -> dict[str, int]:
         return {}
+
+    def buffer_bound(self, elements: int, segments: int, itemsize: int) -> int:
+        return 0

@@ -97,3 +97,7 @@ class ReduceStrategy(Protocol):
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of the temporary buffers (wire, receive, partial-sum, result rows) the strategy owns now."""
+
+    def buffer_bound(self, elements: int, segments: int, itemsize: int) -> int:
+        """Most bytes of buffers one bucket in flight needs: ``elements`` padded elements of ``itemsize`` bytes
+        in at most ``segments`` parameters (Note [buffer bounds] in ``zero/memory.py``)."""

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step (default: the "
                    "config's, else 1)")
     p.add_argument("--bucket", type=float, default=None, help="reduce_bucket_size in elements (default: the "
-                   "config's, else 5e8)")
+                   "config's, else the engine's default for the model)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (one more forward)")
     p.add_argument("--fp32", action="store_true", help="compute in fp32 (default: bf16)")
     p.add_argument("--all-bits", action="store_true", help="also rank qwZ int4 and qgZ int8")
@@ -65,13 +65,16 @@ def _int_option(value: Optional[int], name: str, default: int) -> int:
 
 
 def _workload(args: argparse.Namespace, model: Any, base: Optional[dict[str, Any]]) -> Any:
+    from zeropp.bucket_sizes import default_reduce_bucket_size
     from zeropp.plan.schedule import Workload
 
     zero = (base or {}).get("zero_optimization") or {}
     micro = args.micro_batch if args.micro_batch is not None else (base or {}).get("train_micro_batch_size_per_gpu", 1)
     gas = args.grad_accum if args.grad_accum is not None else (base or {}).get("gradient_accumulation_steps", 1)
     seq_default = min(2048, model.seq_len_max) if model.seq_len_max else 2048
-    bucket = args.bucket if args.bucket is not None else zero.get("reduce_bucket_size", 5e8)
+    bucket = args.bucket if args.bucket is not None else zero.get("reduce_bucket_size")
+    if bucket is None:  # the engine's default for this model (Note [bucket size])
+        bucket = default_reduce_bucket_size(model.params)
     for name, value in (("--micro-batch", micro), ("--grad-accum", gas)):
         if not isinstance(value, int) or value < 1:
             raise PlanError(f"{name}: must be a positive integer, got {value!r}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from zeropp import accounting
+from zeropp.bucket_sizes import BUCKETS_IN_FLIGHT, largest_bucket
 from zeropp.offload.cpu_adam import moment_storage_bytes
 from zeropp.partition.spec import ShardSpec
 from zeropp.plan.choices import Choice
@@ -85,15 +86,17 @@ def memory(model: ModelSpec, choice: Choice, world: int, micro_batch: int, seq_l
     """Model states of ``choice`` for ``model`` plus estimates of the step's working set and activations.
 
     Working set: stage 3 holds the root unit and two more units' full 16-bit weights at once (the one
-    computing and the prefetched one); every stage holds up to three buckets of gradients (the one filling,
-    the one reducing, its received rows).
+    computing and the prefetched one); every stage with more than one rank holds two buckets of gradients
+    of half ``bucket`` each (the one filling, the one reducing) and the reducing one's received rows.
     """
     elem = 2 if bf16 else 4
     states = model_states(model.numels, choice, world, bf16, separate_device=separate_device)
     host = 0  # without a separate device, host memory is the ranks' memory: everything counts
     if choice.offload and separate_device:
         host = sum(states[k] for k in HOST_KINDS) + (states["shard_16bit"] // 2 if bf16 else 0)  # + staged row
-    working = 3 * min(bucket, model.params) * elem
+    # two buckets in flight, each with its receive rows (Note [bucket size]); nothing with one rank
+    per_bucket = min(largest_bucket(bucket, max(model.numels, default=0)), model.params)
+    working = BUCKETS_IN_FLIGHT * per_bucket * 2 * elem if world > 1 else 0
     if choice.stage == 3:
         sizes = sorted((u.numel for u in model.units[1:]), reverse=True)[:2]
         working += (model.units[0].numel + sum(sizes)) * elem

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from zeropp.bucket_sizes import bucket_capacity
 from zeropp.partition.spec import ShardSpec
 from zeropp.plan import collectives as coll
 from zeropp.plan.choices import Choice
@@ -278,8 +279,9 @@ class _Reduction:
 
 
 class _Buckets:
-    """``GradBuckets``: parameters' full gradients fill a bucket to ``reduce_bucket_size`` padded elements; a
-    full bucket is packed and its reduction issued after completing the one in flight."""
+    """``GradBuckets``: parameters' full gradients fill a bucket to half of ``reduce_bucket_size`` padded
+    elements, cut before a gradient would overflow it (Note [bucket size]); a full bucket is packed and its
+    reduction issued after completing the one in flight."""
 
     def __init__(self, step: _Step) -> None:
         self.s = step
@@ -289,10 +291,14 @@ class _Buckets:
 
     def add_unit(self, u: UnitSpec) -> None:
         self.progress()
+        capacity = bucket_capacity(self.s.w.bucket)
         for n in reversed(u.numels):  # autograd meets a block's parameters last-used first
+            padded = ShardSpec(n, (n,), self.s.shard_world).padded
+            if self.ready and self.size + padded > capacity:
+                self.flush()
             self.ready.append(n)
-            self.size += ShardSpec(n, (n,), self.s.shard_world).padded
-            if self.size >= self.s.w.bucket:
+            self.size += padded
+            if self.size >= capacity:
                 self.flush()
 
     def progress(self) -> None:

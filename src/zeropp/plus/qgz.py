@@ -186,6 +186,17 @@ class QuantizedReduce:
     def buffer_bytes(self) -> dict[str, int]:
         return self.pools.buffer_bytes()
 
+    def buffer_bound(self, elements: int, segments: int, itemsize: int) -> int:
+        """Per bucket in flight: a send and a receive slab per hop, each as large as the first hop's ``W`` wire
+        rows (a role's slabs share the size of its largest request, Note [buffer pool]); two leases of scale
+        scratch; the fp32 result row. A row of ``L`` elements has at most ``L / block + segments`` blocks."""
+        topo = self.comm.topo
+        row = -(-elements // topo.world_size)
+        blocks = -(-row // self.block_size) + segments
+        wire = topo.world_size * (-(-row * self.bits // 8) + 4 * blocks)
+        hops = 2 if topo.ranks_per_node > 1 and topo.num_nodes > 1 else 1
+        return 2 * hops * wire + 2 * topo.world_size * blocks * 4 + 4 * row
+
     def end_step(self, grad_scale: float = 1.0) -> None:
         if self.loco is not None:
             self.loco.end_step(grad_scale)

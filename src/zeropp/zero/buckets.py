@@ -52,13 +52,19 @@ class _Download:
 
 @dataclass
 class GradBuckets:
-    """Collects full gradients until ``capacity`` padded elements, then reduces them as one bucket."""
+    """Collects full gradients up to ``capacity`` padded elements, then reduces them as one bucket.
+
+    A bucket is flushed before a gradient would take it past ``capacity``, so it never holds more than
+    ``capacity`` elements or one larger parameter (Note [bucket size] in ``bucket_sizes.py``). ``direct``
+    (a world of one rank: nothing to reduce) adds each gradient into its row as it arrives, with no bucket.
+    """
 
     reduce: ReduceStrategy
     world: int
     capacity: int
     residency: Resident = field(default_factory=Resident)  # NVMe: a unit's gradient row is read back to add
     link: HostLink = field(default_factory=HostLink)  # how reduced rows reach the gradient rows (offload: host)
+    direct: bool = False
     _ready: list[_Entry] = field(default_factory=list)
     _size: int = 0
     _inflight: list[_InFlight] = field(default_factory=list)
@@ -66,12 +72,25 @@ class GradBuckets:
     pool: BufferPool = field(default_factory=BufferPool)  # bucket buffers, reused every step
 
     def add(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
+        if self.direct:
+            self._add_direct(unit, slot, grad)
+            return
         for job in self._inflight:  # e.g. qgZ: start hop 2 of the bucket in flight if hop 1 has arrived
             job.pending.progress()
+        size = unit.slots[slot].spec.padded
+        if self._ready and self._size + size > self.capacity:
+            self.flush()
         self._ready.append(_Entry(unit, slot, grad))
-        self._size += unit.slots[slot].spec.padded
+        self._size += size
         if self._size >= self.capacity:
             self.flush()
+
+    def _add_direct(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
+        """One rank: the mean over ranks is the gradient itself, added in fp32 as a reduced row would be."""
+        with self.residency.grads(unit):
+            view = unit.grad_views()[slot]
+            flat = grad.reshape(-1)
+            view[: flat.numel()].add_(flat.to(view.device, view.dtype))
 
     def flush(self) -> None:
         """Start reducing what is ready; complete the previously started bucket (one stays in flight)."""

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from zeropp.bucket_sizes import bucket_capacity, default_reduce_bucket_size
 from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather, ReduceStrategy
@@ -110,7 +111,7 @@ class TrainPolicy:
     compute_dtype: torch.dtype = torch.float32
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
-    reduce_bucket_size: int = 500_000_000
+    reduce_bucket_size: Optional[int] = None  # 16-bit gradient elements in buckets; None: sized from the model
     stage: int = 3
     loss_scaler: Optional[LossScaler] = None  # fp16 only
     delayed_update_after: Optional[int] = None  # DPU: optimizer steps before updates run in the background
@@ -186,8 +187,12 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         self.use = ParamUse(module, self.units, lambda u: self._gather(u, self._pass()),
                             lambda u: self._release(u, self._pass()),
                             lambda: self._backward_open) if self.plan.shards_weights else None
-        self.buckets = GradBuckets(strategies.reduce, self.shard_world, policy.reduce_bucket_size, self.residency,
-                                   self.link if policy.offload_optimizer else HostLink())
+        trainable_elements = sum(s.spec.padded for u in self._stepped for s in u.slots if s.param.requires_grad)
+        self.reduce_bucket_size = policy.reduce_bucket_size if policy.reduce_bucket_size is not None \
+            else default_reduce_bucket_size(trainable_elements)  # Note [bucket size]
+        self.buckets = GradBuckets(strategies.reduce, self.shard_world, bucket_capacity(self.reduce_bucket_size),
+                                   self.residency, self.link if policy.offload_optimizer else HostLink(),
+                                   direct=topo.world_size == 1)
         if not self.plan.shards_weights:
             self._gather_resident(Phase.OTHER)
         masters = [

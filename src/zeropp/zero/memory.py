@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from zeropp.bucket_sizes import BUCKETS_IN_FLIGHT, largest_bucket
 from zeropp.partition.unit import Unit
 
 DEVICE, HOST = "device", "host"
@@ -247,25 +248,20 @@ def weight_storages(module: torch.nn.Module) -> set[int]:
 # request. Requests are one unit's gather or one gradient bucket, and the engine keeps at most
 # GATHERS_IN_FLIGHT gathers and BUCKETS_IN_FLIGHT buckets in flight, so every pool is bounded by the largest
 # unit (a unit is gathered whole: the model's own working set) or by reduce_bucket_size, never by the number of
-# units. Per element of one gather or bucket, summed over a strategy's roles: the compute-dtype rows it
-# returns and, with hpZ, the secondary gather's rows (2 x itemsize); quantized wire rows, sent and received,
-# at most 1 byte of payload and 2 bytes of fp32 scale per element each (a chunk holds at least 2 elements,
-# Note [shard layout]), a two-hop gather's first-hop rows (1/D of the received ones, Note [two-hop gather]
-# in comm/gather.py), and the decoded scales (<= 8 bytes in all); for a reduction the bucket's receive rows and
-# qgZ's fp32 sums and partials (<= 2 x itemsize + 16 bytes, see plus/qgz.py's roles).
+# units. Per element of one gather, summed over a strategy's roles: the compute-dtype rows it returns and, with
+# hpZ, the secondary gather's rows (2 x itemsize); quantized wire rows, sent and received, at most 1 byte of
+# payload and 2 bytes of fp32 scale per element each (a chunk holds at least 2 elements, Note [shard layout]),
+# a two-hop gather's first-hop rows (1/D of the received ones, Note [two-hop gather] in comm/gather.py), and the
+# decoded scales (<= 8 bytes in all). A reduction's bound is its strategy's ``buffer_bound`` of the largest
+# bucket (Note [bucket size] in bucket_sizes.py): the receive rows and the fp32 result row of a plain
+# reduce-scatter, the int4 wire rows, scale scratch and result row of qgZ.
 GATHERS_IN_FLIGHT = 2  # the gather being finished and one prefetch (ZeroEngine._prefetch)
-BUCKETS_IN_FLIGHT = 2  # one bucket reducing while the next fills (zero/buckets.py)
 _BUFFER_SOURCES: dict[str, Callable[[], dict[str, int]]] = {}
 
 
 def gather_bytes_per_element(itemsize: int) -> int:
     """Upper bound of a gather strategy's buffer bytes per element of one gathered unit (Note [buffer bounds])."""
     return 2 * itemsize + 8
-
-
-def reduce_bytes_per_element(itemsize: int) -> int:
-    """Upper bound of a reduce strategy's buffer bytes per element of one bucket (Note [buffer bounds])."""
-    return 2 * itemsize + 16
 
 
 def register_buffers(name: str, source: Callable[[], dict[str, int]]) -> None:
@@ -286,8 +282,8 @@ def buffer_lines(engine: Any) -> dict[str, dict[str, Any]]:
     itemsize = engine.gathered_weights.itemsize
     units = engine.units
     unit_max = max((unit_elements(u) for u in units), default=0)
-    param_max = max((s.spec.padded for u in units for s in u.slots), default=0)
-    bucket = engine.policy.reduce_bucket_size + param_max  # a bucket is flushed once it reaches the size
+    trainable = [s.spec.padded for u in units if u.steps for s in u.slots if s.param.requires_grad]
+    bucket = min(largest_bucket(engine.reduce_bucket_size, max(trainable, default=0)), sum(trainable))
     lines: dict[str, dict[str, Any]] = {}
     seen: set[int] = set()
     for name, strategy in (("forward_gather", engine.strategies.forward_gather),
@@ -299,17 +295,26 @@ def buffer_lines(engine: Any) -> dict[str, dict[str, Any]]:
         lines[name] = _line(sum(parts.values()), GATHERS_IN_FLIGHT * unit_max * gather_bytes_per_element(itemsize),
                             f"{GATHERS_IN_FLIGHT} gathers x the largest unit ({unit_max} elements) x "
                             f"{gather_bytes_per_element(itemsize)} B", parts)
-    parts = engine.strategies.reduce.buffer_bytes()
-    lines["reduce"] = _line(sum(parts.values()), BUCKETS_IN_FLIGHT * bucket * reduce_bytes_per_element(itemsize),
-                            f"{BUCKETS_IN_FLIGHT} buckets x (reduce_bucket_size + the largest parameter = {bucket} "
-                            f"elements) x {reduce_bytes_per_element(itemsize)} B", parts)
-    lines["grad_buckets"] = _line(engine.buckets.pool.nbytes(), BUCKETS_IN_FLIGHT * bucket * itemsize,
-                                  f"{BUCKETS_IN_FLIGHT} buckets x {bucket} elements x {itemsize} B")
+    if not engine.buckets.direct:  # a world of one reduces nothing and has no bucket
+        parts = engine.strategies.reduce.buffer_bytes()
+        per_bucket = engine.strategies.reduce.buffer_bound(bucket, _most_in(bucket, trainable), itemsize)
+        lines["reduce"] = _line(sum(parts.values()), BUCKETS_IN_FLIGHT * per_bucket,
+                                f"{BUCKETS_IN_FLIGHT} buckets x the working set of a bucket of {bucket} elements "
+                                f"({per_bucket} B)", parts)
+        lines["grad_buckets"] = _line(engine.buckets.pool.nbytes(), BUCKETS_IN_FLIGHT * bucket * itemsize,
+                                      f"{BUCKETS_IN_FLIGHT} buckets x {bucket} elements x {itemsize} B "
+                                      f"(reduce_bucket_size {engine.reduce_bucket_size}: Note [bucket size])")
     for name, source in _BUFFER_SOURCES.items():
         parts = source()
         lines[name] = _line(sum(parts.values()), sum(parts.values()), "preallocated to its configured size",
                             parts)
     return lines
+
+
+def _most_in(bucket: int, sizes: list[int]) -> int:
+    """A bound on the parameters one bucket of ``bucket`` elements holds: as many as the smallest of ``sizes``
+    (padded elements) fit, however many the model has."""
+    return max(1, bucket // max(min(sizes, default=1), 1))
 
 
 def memory_report(engine: Any) -> dict[str, Any]:
