@@ -20,6 +20,10 @@ def find(rows: list[dict[str, Any]], system: str, bandwidth: str) -> Optional[di
     return None
 
 
+def _buckets(elements: Optional[int]) -> str:
+    return "default-sized" if elements is None else f"{elements:,}-element"
+
+
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     if a is None or b is None or b == 0:
         return None
@@ -114,7 +118,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"Command: `{meta['command'].strip()}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; zeropp sources sha256[:12] "
              f"{meta.get('code_sha256_12', '-')} (the copy every rank imported)  ",
              f"Model: GPT {meta['parameters']:,} parameters ({meta['model']}), micro-batch {meta['micro_batch']} "
-             f"x {meta['model']['block_size']} tokens per rank, {meta.get('bucket_elements', 5_000_000):,}-element "
+             f"x {meta['model']['block_size']} tokens per rank, {_buckets(meta.get('bucket_elements', 5_000_000))} "
              f"gradient buckets, bf16, AdamW, {meta['warmup']} warm-up + "
              f"{steps_text(meta)} timed steps per bandwidth (training continues across bandwidths, same order for "
              "every system).  ", f"Links: {meta['links']}  ",

@@ -52,9 +52,9 @@ def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentPars
     p.add_argument("--n-head", type=int, default=BENCH_MODEL["n_head"])
     p.add_argument("--block-size", type=int, default=BENCH_MODEL["block_size"])
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step (default: 2)")
-    p.add_argument("--bucket-elements", type=int, default=5_000_000, metavar="N",
+    p.add_argument("--bucket-elements", type=_bucket_elements, default=5_000_000, metavar="N",
                    help="gradient bucket size of every system, in elements (reduce_bucket_size, DDP's bucket_cap_mb; "
-                        "default: 5000000)")
+                        "default: 5000000), or 'default': each system's own default (no bucket keys)")
     p.add_argument("--tiny", action="store_true", help="a tiny model (smoke tests)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ledger-only", action="store_true",
@@ -66,6 +66,15 @@ def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentPars
     p.add_argument("--down", metavar="PREFIX", default=None,
                    help="only delete the namespaces PREFIX-* that a killed run left behind, and exit")
     return p
+
+
+def _bucket_elements(text: str) -> Optional[int]:
+    if text == "default":
+        return None
+    try:
+        return int(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bucket-elements: a number of elements or 'default', got {text!r}")
 
 
 def machine() -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ class TrainSettings:
     weight_decay: float
     clip: float
     micro_batch: int
-    bucket_elements: int
+    bucket_elements: Optional[int]  # None: each system's own default
     ranks_per_node: int
 
     def adamw(self, params: Any) -> torch.optim.Optimizer:
@@ -131,8 +131,8 @@ class DDPSystem(System):
         from torch.nn.parallel import DistributedDataParallel
 
         self.module = model
-        self.model = DistributedDataParallel(model, bucket_cap_mb=s.bucket_elements * 4 / 2**20,
-                                             gradient_as_bucket_view=True)
+        cap = {} if s.bucket_elements is None else {"bucket_cap_mb": s.bucket_elements * 4 / 2**20}
+        self.model = DistributedDataParallel(model, gradient_as_bucket_view=True, **cap)
         self.model.register_comm_hook(None, bf16_allreduce_hook)
         self.opt = s.adamw(model.parameters())
         self.clip = s.clip
@@ -234,9 +234,10 @@ class DeepSpeedSystem(EngineSystem):
 
         self.name = "ds_zero3_hpz" if hpz else ("ds_zero3_prefetch" if prefetch else "ds_zero3")
         zero = {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0,
-                "reduce_bucket_size": s.bucket_elements,
-                "stage3_prefetch_bucket_size": s.bucket_elements if prefetch else 0,
+                "stage3_prefetch_bucket_size": (s.bucket_elements or 50_000_000) if prefetch else 0,
                 "overlap_comm": True, "contiguous_gradients": True}
+        if s.bucket_elements is not None:
+            zero["reduce_bucket_size"] = s.bucket_elements
         if hpz:
             zero["zero_hpz_partition_size"] = s.ranks_per_node
         config = {"train_micro_batch_size_per_gpu": s.micro_batch, "gradient_accumulation_steps": 1,
@@ -275,6 +276,7 @@ class DeepSpeedSystem(EngineSystem):
 # ---------------------------------------------------------------------------------------------- zeropp
 def zeropp_config(name: str, s: TrainSettings) -> dict[str, Any]:
     qwz, hpz, qgz = ZEROPP_SWITCHES[name if name in ZEROPP_SWITCHES else "zeropp_all"]
+    bucket = {} if s.bucket_elements is None else {"reduce_bucket_size": s.bucket_elements}
     return {
         "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -282,7 +284,7 @@ def zeropp_config(name: str, s: TrainSettings) -> dict[str, Any]:
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": s.lr, "betas": list(s.betas), "eps": s.eps,
                                                   "weight_decay": s.weight_decay}},
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": s.bucket_elements,
+        "zero_optimization": {"stage": 3, **bucket,
                               "zero_quantized_weights": qwz, "zero_quantized_gradients": qgz,
                               **ZEROPP_VARIANTS.get(name, {}),
                               "zero_hpz_partition_size": s.ranks_per_node if hpz else 1},
