@@ -30,6 +30,7 @@ def test_deepspeeds_module_paths_import(alias):
     zero = importlib.import_module("deepspeed.zero")
     assert deepspeed.initialize is zeropp.initialize and zero.Init is zeropp.zero.Init
     assert GatheredParameters is zeropp.zero.GatheredParameters and ZeroParamStatus.NOT_AVAILABLE.value == 2
+    assert zero.TiledLinear is zeropp.zero.TiledLinear
     assert callable(safe_get_full_fp32_param) and callable(set_z3_leaf_modules)
     assert callable(get_fp32_state_dict_from_zero_checkpoint) and deepspeed.__version__ == "0.19.8"
     with pytest.raises(DeepSpeedAPIError, match="deepspeed.ops"):

@@ -59,6 +59,16 @@ def is_leaf(module: nn.Module) -> bool:
     return _LEAVES.get(module, False)
 
 
+# Modules that are a gather unit of their own even inside a block (TiledLinear's tiles, zero/tiling.py): the
+# point of tiling is that no rank gathers more of the operator than one tile. A leaf around them still wins.
+_OWN_UNITS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def set_own_unit(module: nn.Module) -> None:
+    """Make ``module``'s subtree a gather unit of its own at every granularity (unless inside a leaf)."""
+    _OWN_UNITS[module] = True
+
+
 def mark_leaves(model: nn.Module, classes: Iterable[Union[type, str]] = (), names: Iterable[str] = (),
                 suffixes: Iterable[str] = (), flag: bool = True) -> list[nn.Module]:
     """Mark the modules of ``model`` that are instances of ``classes`` (types, or class names: bare or with
@@ -95,7 +105,8 @@ def plan_units(model: nn.Module, granularity: str = "module") -> list[UnitPlan]:
     if granularity not in GRANULARITIES:
         raise ValueError(f"gather granularity must be one of {GRANULARITIES}, got {granularity!r}")
     blocks = block_names(model) if granularity == "block" else []
-    blocks += [name for name, mod in model.named_modules() if is_leaf(mod) and name]
+    leaves = [name for name, mod in model.named_modules() if is_leaf(mod) and name]
+    own = [name for name, mod in model.named_modules() if _OWN_UNITS.get(mod, False) and name]
     holders: dict[int, list[str]] = {}
     first_name: dict[int, str] = {}
     by_id: dict[int, nn.Parameter] = {}
@@ -113,6 +124,7 @@ def plan_units(model: nn.Module, granularity: str = "module") -> list[UnitPlan]:
     owned: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for pid, mnames in holders.items():
         owner = _common_ancestor(mnames) if len(set(mnames)) > 1 else mnames[0]
-        owner = _enclosing_block(owner, blocks) or owner
+        own_unit = None if _enclosing_block(owner, leaves) else _enclosing_block(owner, own)
+        owner = own_unit or _enclosing_block(owner, blocks + leaves) or owner
         owned.setdefault(owner, []).append((first_name[pid], by_id[pid]))
     return [UnitPlan(m, modules[m], owned[m]) for m in modules if m in owned]
