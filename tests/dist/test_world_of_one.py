@@ -36,7 +36,7 @@ def worker(rank: int, world: int) -> dict:
         opt.zero_grad()
         ref_losses.append(loss.item())
     out: dict = {"ref_losses": ref_losses, "ref_state": copy.deepcopy(ref.state_dict())}
-    for stage, bf16 in ((3, False), (2, True), (0, False)):
+    for stage, bf16 in ((3, False), (2, True)):
         config = {"train_micro_batch_size_per_gpu": BATCH, "bf16": {"enabled": bf16},
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
         engine, *_ = zeropp.initialize(model=_model(), config=config)
@@ -58,18 +58,17 @@ def result() -> dict:
     return run_world(worker, 1)[0]
 
 
-@pytest.mark.parametrize("case", [(3, False), (2, True), (0, False)])
+@pytest.mark.parametrize("case", [(3, False), (2, True)])
 def test_no_bucket_or_reduce_buffer_exists(result: dict, case: tuple) -> None:
     buffers = result[case]["report"]["buffers"]
     assert "reduce" not in buffers and "grad_buckets" not in buffers, buffers
     assert not any("reduce" in part for line in buffers.values() for part in line.get("parts", {})), buffers
 
 
-@pytest.mark.parametrize("stage", [3, 0])
-def test_fp32_trains_as_plain_torch_bit_for_bit(result: dict, stage: int) -> None:
-    assert result[(stage, False)]["losses"] == result["ref_losses"]
+def test_fp32_stage3_trains_as_plain_torch_bit_for_bit(result: dict) -> None:
+    assert result[(3, False)]["losses"] == result["ref_losses"]
     for name, value in result["ref_state"].items():
-        assert torch.equal(result[(stage, False)]["state"][name], value), name
+        assert torch.equal(result[(3, False)]["state"][name], value), name
 
 
 def test_bf16_stays_within_bf16_rounding_of_fp32(result: dict) -> None:
