@@ -25,7 +25,7 @@ from support.world import run_world
 
 BUCKET = 4096  # reduce_bucket_size, elements
 DIM, HIDDEN, VOCAB, SEQ, MICRO = 32, 96, 16, 16, 2
-WIDE_DIM, WIDE_HIDDEN, WIDE_LAYERS = 256, 1024, 8  # 4.2M parameters: more than the default bucket
+WIDE_DIM, WIDE_HIDDEN, WIDE_LAYERS = 256, 1024, 4  # 2.1M parameters: more than the default bucket
 ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
 
 
@@ -136,8 +136,9 @@ def test_buffers_stay_within_deepspeeds_bucket_bytes_on_2x2(reports: list[dict],
     prefetch = 50_000_000  # stage3_prefetch_bucket_size's default
     for rank, rep in enumerate(reports):
         r = rep[case]
-        if case == "default":  # a quarter of the trainable elements (padded to whole chunks)
-            assert r["model_elements"] // 4 <= r["reduce_bucket_size"] <= (r["model_elements"] + 4096) // 4, r
+        if case == "default":  # a quarter of the trainable elements (padded to whole chunks), at least 1e6
+            quarter = r["model_elements"] // 4
+            assert max(quarter, 1_000_000) <= r["reduce_bucket_size"] <= max(quarter + 1024, 1_000_000), r
         else:
             assert r["reduce_bucket_size"] == 500_000_000
         bucket = min(max(r["reduce_bucket_size"] // 2, r["largest_param"]), r["model_elements"] + 4096)
@@ -146,7 +147,7 @@ def test_buffers_stay_within_deepspeeds_bucket_bytes_on_2x2(reports: list[dict],
         assert 0 < r["buffer_bytes"] <= bound, (rank, r["buffers"])
         assert r["buffers"]["grad_buckets"]["bytes"] <= 2 * r["reduce_bucket_size"]  # 16-bit elements in buckets
     # the default cuts backward into several reductions; 5e8 is one bucket for this model, as in DeepSpeed
-    assert reports[0]["default"]["reductions"] >= 4 and reports[0]["deepspeed_default"]["reductions"] == 1
+    assert reports[0]["default"]["reductions"] >= 3 and reports[0]["deepspeed_default"]["reductions"] == 1
 
 
 def test_the_zeropp_strategies_report_their_pools(reports: list[dict]) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import zeropp
+from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 from support.world import run_world
 
 STEPS, BATCH, DIM = 3, 4, 24
@@ -40,15 +41,23 @@ def worker(rank: int, world: int) -> dict:
         config = {"train_micro_batch_size_per_gpu": BATCH, "bf16": {"enabled": bf16},
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
         engine, *_ = zeropp.initialize(model=_model(), config=config)
-        losses = []
+        losses, seconds = [], []
         for step in range(STEPS):
             x, y = _data(step)
             loss = nn.functional.mse_loss(engine(x).float(), y)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+            seconds.append(engine.time_report()["step_s"])
+        timer = engine.tput_timer
         out[(stage, bf16)] = {"losses": losses, "report": engine.memory_report(),
-                              "state": engine.consolidated_state_dict()}
+                              "state": engine.consolidated_state_dict(), "seconds": seconds,
+                              "tput": (timer.avg_samples_per_sec(), timer.global_step_count, timer.batch_size,
+                                       timer.total_elapsed_time, timer.step_elapsed_time)}
+        try:
+            timer.start()
+        except DeepSpeedAPIError as err:
+            out[(stage, bf16)]["start"] = str(err)
         engine.close()
     return out
 
@@ -74,3 +83,12 @@ def test_fp32_stage3_trains_as_plain_torch_bit_for_bit(result: dict) -> None:
 def test_bf16_stays_within_bf16_rounding_of_fp32(result: dict) -> None:
     for got, want in zip(result[(2, True)]["losses"], result["ref_losses"]):
         assert abs(got - want) <= 2e-2 * abs(want) + 1e-3
+
+
+def test_tput_timer_reads_the_engines_step_times(result: dict) -> None:
+    run = result[(3, False)]
+    avg, steps, batch, total, last = run["tput"]
+    counted = run["seconds"][2:]  # DeepSpeed's ThroughputTimer leaves out the first two steps
+    assert (steps, batch, last) == (STEPS, BATCH, run["seconds"][-1])
+    assert total == sum(counted) > 0 and avg == BATCH * len(counted) / sum(counted)
+    assert "times every step itself" in run["start"]

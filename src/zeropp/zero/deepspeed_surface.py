@@ -20,12 +20,60 @@ MISSING_ENGINE_API = frozenset({
     "sparse_gradients_enabled", "data_efficiency_enabled", "offload_states", "reload_states",
     "compile", "is_compiled", "empty_partition_cache", "no_sync", "set_data_post_process_func",
     "set_custom_curriculum_learning_schedule", "get_sequence_parallel_group", "module_state_dict",
-    "load_module_state_dict", "get_data_types", "optimizer_name", "timers", "tput_timer",
+    "load_module_state_dict", "get_data_types", "optimizer_name", "timers",
 })
 
 
 class DeepSpeedAPIError(NotImplementedError):
     """A DeepSpeed API that zeropp does not implement yet (the message names it)."""
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``, read from the engine's own step timing (``zero/timing.py``): samples
+    per second over the steps after the first two (``start_step``), as DeepSpeed counts them. The engine times
+    every step itself, so ``start``/``stop`` are refused instead of silently changing nothing."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    @property
+    def start_step(self) -> int:
+        from zeropp.zero.timing import WARM_UP_STEPS
+
+        return WARM_UP_STEPS
+
+    @property
+    def batch_size(self) -> int:
+        return self._engine.train_batch_size()
+
+    @property
+    def global_step_count(self) -> int:
+        return self._engine.global_steps
+
+    @property
+    def total_elapsed_time(self) -> float:
+        """Seconds of the steps counted (after the first ``start_step``)."""
+        return self._engine.timer.warm_seconds
+
+    @property
+    def step_elapsed_time(self) -> float:
+        """Seconds of the last step."""
+        return float(self._engine.timer.report().get("step_s", 0.0))
+
+    def avg_samples_per_sec(self) -> float:
+        """Global samples per second over the counted steps; ``-inf`` before any, as in DeepSpeed."""
+        timer = self._engine.timer
+        if timer.warm_steps == 0 or timer.warm_seconds <= 0:
+            return float("-inf")
+        return self.batch_size * timer.warm_steps / timer.warm_seconds
+
+    def start(self) -> None:
+        raise DeepSpeedAPIError("engine.tput_timer.start(): zeropp's engine times every step itself; read "
+                                "avg_samples_per_sec() or engine.time_report()")
+
+    def stop(self, *args: Any, **kwargs: Any) -> None:
+        raise DeepSpeedAPIError("engine.tput_timer.stop(): zeropp's engine times every step itself; read "
+                                "avg_samples_per_sec() or engine.time_report()")
 
 
 class DeepSpeedSurface:
@@ -37,6 +85,11 @@ class DeepSpeedSurface:
     policy: Any
     optimizer: torch.optim.Optimizer
     module: torch.nn.Module
+
+    @property
+    def tput_timer(self) -> ThroughputTimer:
+        """DeepSpeed's throughput timer, over this engine's step times."""
+        return ThroughputTimer(self)
 
     @property
     def local_rank(self) -> int:

@@ -39,6 +39,9 @@ PHASES = ("forward_compute", "forward_gather_wait", "backward_compute", "backwar
           "grad_reduce_wait", "optimizer_step", "other_comm_wait", "offload_io_wait", "untracked")
 
 
+WARM_UP_STEPS = 2  # steps left out of the throughput, as DeepSpeed's ThroughputTimer leaves them out
+
+
 @dataclass
 class _Open:
     name: str
@@ -58,6 +61,9 @@ class StepTimer:
     _step_start: Optional[float] = None
     _before_step: dict[tuple[str, Phase, Link], float] = field(default_factory=dict)  # times recorded before it
     _last: dict[str, object] = field(default_factory=dict)
+    steps: int = 0  # steps closed so far
+    warm_steps: int = 0  # of those, the ones after the first WARM_UP_STEPS (compilation, first-touch allocations)
+    warm_seconds: float = 0.0  # their summed wall time
 
     def _total_waits(self) -> float:
         return sum(v for (kind, _p, _l), v in self.ledger.times.items() if kind == "wait")
@@ -115,6 +121,10 @@ class StepTimer:
             "exposed_comm_fraction": exposed / step if step > 0 else 0.0,
         }
         self._parts, self._step_start, self._before_step = {}, None, {}
+        self.steps += 1
+        if self.steps > WARM_UP_STEPS:
+            self.warm_steps += 1
+            self.warm_seconds += step
 
     def report(self) -> dict[str, object]:
         """The last completed step's breakdown (empty before the first step)."""
