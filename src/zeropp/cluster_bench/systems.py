@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
