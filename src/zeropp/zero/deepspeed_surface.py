@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeropp.zero.timing import WARM_UP_STEPS
+
 # DeepSpeedEngine methods and attributes that training code calls and zeropp does not provide (yet)
 MISSING_ENGINE_API = frozenset({
     "set_train_batch_size", "set_train_micro_batch_size", "set_gradient_accumulation_boundary",
@@ -36,11 +38,7 @@ class ThroughputTimer:
     def __init__(self, engine: Any) -> None:
         self._engine = engine
 
-    @property
-    def start_step(self) -> int:
-        from zeropp.zero.timing import WARM_UP_STEPS
-
-        return WARM_UP_STEPS
+    start_step = WARM_UP_STEPS
 
     @property
     def batch_size(self) -> int:
