@@ -49,10 +49,16 @@ def _chunk(layout: BlockLayout) -> int:
 
 
 def _align(layout: BlockLayout) -> int:
-    """What every chunk's first element offset is a multiple of (a vectorization hint, up to 16): chunks start
-    at block starts plus multiples of the chunk, and in an aligned layout blocks start at multiples of the
-    block size."""
+    """What every chunk's first element offset and every block's end are multiples of (a vectorization hint,
+    up to 16; 2 means none): chunks start at block starts plus multiples of the chunk, and in an aligned layout
+    every segment, so every block, starts and ends at a multiple of the block size."""
     return min(16, layout.block_size & -layout.block_size) if layout.aligned else 2
+
+
+def _one_chunk(layout: BlockLayout, chunk: int) -> bool:
+    """Whether every block fits the one chunk that starts at its first even element: an aligned layout's blocks
+    start at multiples of the block size, and an odd block size's chunk has a spare element for an odd start."""
+    return layout.aligned and layout.block_size + layout.block_size % 2 <= chunk
 
 
 def _launch_opts(chunk: int) -> dict:
@@ -102,7 +108,8 @@ def _launch_quantize(src: torch.Tensor, src_scales: torch.Tensor, res: Quantized
     common = dict(SRC=src_kind, DT=dt, BITS_IN=bits_in, QMAX=QMAX[bits], CH=ch, **_launch_opts(ch))
     K._quantize_kernel[(g * nb,)](src, src_scales, data, scales, scales if flag is None else flag, starts,
                                   layout.numel, pb_in, data.stride(0), nb, rows, pieces,
-                                  BITS=bits, FLAG=flag is not None, ALIGN=_align(layout), **common)
+                                  BITS=bits, FLAG=flag is not None, ALIGN=_align(layout),
+                                  ONE_CHUNK=_one_chunk(layout, ch), **common)
     seams = _seams(layout, device) if bits == 4 else None
     if seams is not None:
         K._int4_seam_kernel[(g * seams.numel(),)](src, src_scales, data, scales, starts, seams, seams.numel(),
