@@ -26,7 +26,7 @@ from zeropp.config import ZeroConfig, ZeroppConfig, load_config
 from zeropp.config_auto import AutoValues
 from zeropp.offload.link import build_link
 from zeropp.offload.residency import build_residency
-from zeropp.partition.assign import mark_leaves
+from zeropp.partition.assign import granular_leaves, granularities, mark_leaves, set_leaf
 from zeropp.optim import build_optimizer, build_scheduler
 from zeropp.plus.frozen import FrozenApart, FrozenGather, QuantizedFrozenUnits
 from zeropp.plus.hpz import HpzGather, SecondaryStore
@@ -258,6 +258,16 @@ def _mark_leaves(model: nn.Module, zero: ZeroConfig) -> None:
     missing += [s for s in leaf.name_suffixes if not any(n.endswith(s) for n in found)]
     if missing:
         warnings.warn(f"zero_optimization.leaf_module: no module of the model is named {missing}", stacklevel=3)
+    threshold = zero.stage3_module_granularity_threshold
+    if threshold and zero.stage == 3:
+        leaves = granular_leaves(model, threshold)
+        for module in leaves:
+            set_leaf(module)
+        if not leaves:  # DeepSpeed warns too: the key changes nothing for this model
+            finest = min(granularities(model).values(), default=float("inf"))
+            warnings.warn(f"zero_optimization.stage3_module_granularity_threshold: {threshold} is under every "
+                          f"module's granularity (the smallest is {finest}), so no module becomes a leaf",
+                          stacklevel=3)
 
 
 def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainPolicy:
@@ -277,6 +287,8 @@ def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainP
         gather_granularity=zero.gather_granularity,
         prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
         max_live_parameters=zero.stage3_max_live_parameters,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+        model_persistence_threshold=zero.stage3_model_persistence_threshold,
         broadcast_rank0=cfg.broadcast_rank0_weights,
         # prescale_gradients: the whole mean before the reduction (DeepSpeed divides by the world there)
         grad_predivide=float(torch.distributed.get_world_size()) if cfg.prescale_gradients

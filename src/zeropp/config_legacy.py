@@ -102,7 +102,7 @@ def translate_legacy(raw: Mapping[str, Any]) -> Translation:
         out.notes.append(f"zero_optimization: {str(zero).lower()} is DeepSpeed's deprecated form, read as "
                          f"{{\"stage\": {1 if zero else 0}}}")
     elif isinstance(zero, Mapping):
-        zero = tree["zero_optimization"] = _offload_flags(dict(zero), out)
+        zero = tree["zero_optimization"] = _field_names(_offload_flags(dict(zero), out), out)
         if "aio" in zero and "aio" not in tree:  # Hugging Face's docs print it here; DeepSpeed rejects it
             tree["aio"] = zero.pop("aio")
             out.notes.append("zero_optimization.aio: misplaced (DeepSpeed reads aio at the top level and "
@@ -111,6 +111,25 @@ def translate_legacy(raw: Mapping[str, Any]) -> Translation:
 
 
 _OFFLOAD_FLAGS = (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"))
+
+# DeepSpeed's ZeRO config takes its stage-3 keys under two names, the field's and the "stage3_" one (its alias);
+# zeropp's schema has the "stage3_" names.
+_STAGE3_FIELDS = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+                  "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+                  "module_granularity_threshold")
+
+
+def _field_names(zero: dict[str, Any], out: Translation) -> dict[str, Any]:
+    """DeepSpeed's field names of the stage-3 keys, read as their "stage3_" names (both are DeepSpeed's)."""
+    for name in _STAGE3_FIELDS:
+        if name not in zero:
+            continue
+        if f"stage3_{name}" in zero:
+            out.errors.append(f"zero_optimization.{name}: given beside zero_optimization.stage3_{name} (two names "
+                              "of one DeepSpeed key); accepted: one of them")
+            continue
+        zero[f"stage3_{name}"] = zero.pop(name)
+    return zero
 
 
 def _offload_flags(zero: dict[str, Any], out: Translation) -> dict[str, Any]:

@@ -243,10 +243,16 @@ class ZeroConfig(Section):
                                      "DeepSpeed requires).", status=STATUS_TUNING)
     stage3_prefetch_bucket_size: DSInt = F(50_000_000, ge=0, doc="Most elements one prefetch may gather (the "
                                            "next unit, one at a time); 0 turns prefetching off.")
-    stage3_param_persistence_threshold: DSInt = F(100_000, ge=0, doc="Parameters smaller than this stay "
-                                                  "unpartitioned in DeepSpeed.", status=STATUS_TUNING)
-    stage3_model_persistence_threshold: DSInt = F(2**63 - 1, ge=0, doc="Cap on persisted elements.",
-                                                  status=STATUS_TUNING)
+    stage3_param_persistence_threshold: DSInt = F(0, ge=0, doc="Stage 3: a gather unit of at most this many "
+                                                  "elements stays gathered from its first use until the next "
+                                                  "optimizer step (one gather per step instead of two per "
+                                                  "micro-step). DeepSpeed's default is 1e5 per parameter; zeropp's "
+                                                  "is 0 (docs/config.md, \"Persistence\").")
+    stage3_model_persistence_threshold: DSInt = F(2**63 - 1, ge=0, doc="Stage 3: the most elements all "
+                                                  "persistent units may hold together (units in model order).")
+    stage3_module_granularity_threshold: DSInt = F(0, ge=0, doc="Stage 3: the outermost modules whose "
+                                                   "parameters per layer are at most this become leaf modules, "
+                                                   "gathered whole (DeepSpeed's rule; 0 is off).")
     stage3_max_live_parameters: DSInt = F(1_000_000_000, ge=0, doc="A prefetch starts only while the "
                                           "gathered, in-flight and prefetched elements stay within this.")
     stage3_max_reuse_distance: DSInt = F(1_000_000_000, ge=0, doc="Keep a gathered parameter if reused "

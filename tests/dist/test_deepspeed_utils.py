@@ -138,15 +138,18 @@ def ds_views(rank: int) -> dict:
         out["gathered"] = p.ds_status
         full = p.detach().clone()
     out["tensor_is_local"] = torch.equal(p.ds_tensor, full.reshape(-1)[rank * 8:(rank + 1) * 8])
-    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                                           "zero_optimization": {"stage": 3}})
+    # DeepSpeed's field name of stage3_param_persistence_threshold: the head (5 elements) persists, pairs (20) not
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization":
+                                                           {"stage": 3, "param_persistence_threshold": 5}})
     seen = []
     model.pairs[0].a.register_forward_pre_hook(lambda *_: seen.append(p.ds_status))  # after the gather
     loss = engine(torch.ones(2, 4))
     engine.backward(loss)
     engine.step()
     out.update(after=p.ds_status, in_forward=seen, engine_ids=sorted(q.ds_id for q in model.parameters()),
-               tensor_after=torch.equal(p.ds_tensor, safe_get_full_fp32_param(p).reshape(-1)[rank * 8:(rank + 1) * 8]))
+               tensor_after=torch.equal(p.ds_tensor, safe_get_full_fp32_param(p).reshape(-1)[rank * 8:(rank + 1) * 8]),
+               persist_after=p.ds_persist, head_persist=model.head.weight.ds_persist,
+               head_after=model.head.weight.ds_status)
     try:
         p.ds_status = ZeroParamStatus.AVAILABLE
     except NotImplementedError as err:
@@ -352,6 +355,8 @@ def test_parameter_attributes_are_views_of_the_partitioned_state():
         v = res["views"]
         assert v["class"] == "DeepSpeedParameter" and v["numel"] == 16 and v["shape"] == (4, 4)
         assert v["persist"] is False and v["peft_count"] == n
+        assert v["persist_after"] is False and v["head_persist"] is True
+        assert v["head_after"] is ZeroParamStatus.AVAILABLE  # kept gathered past the step, until its next use
         assert v["status"] is ZeroParamStatus.NOT_AVAILABLE and v["gathered"] is ZeroParamStatus.AVAILABLE
         assert v["after"] is ZeroParamStatus.NOT_AVAILABLE and v["in_forward"] == [ZeroParamStatus.AVAILABLE]
         assert len(set(v["ids"])) == len(v["ids"]) and v["engine_ids"] == list(range(len(v["engine_ids"])))

@@ -1,6 +1,8 @@
 """Stage-3 gather granularity: one unit per transformer block or one per module moves the same bytes and
 trains bit-identically (only the number and size of collectives differ); a block's submodule run on its own
-gathers its block on demand."""
+gathers its block on demand. DeepSpeed's granularity threshold makes blocks leaves by its own rule, and its
+persistence threshold keeps small units gathered between steps (Note [persistent units]): fewer gathers,
+the same losses."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +15,7 @@ import zeropp
 from support.world import run_world
 from zeropp.demo.data import corpus_tokens, get_batch
 from zeropp.demo.model import GPT, GPTConfig
+from zeropp.partition.assign import granularities
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "topology": {"ranks_per_node": 2},
        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -20,10 +23,20 @@ CFG = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "topology
                              "zero_quantized_gradients": True}}
 
 
-def train(rank: int, world: int, granularity: str) -> dict:
-    cfg = {**CFG, "zero_optimization": {**CFG["zero_optimization"], "gather_granularity": granularity}}
+def model() -> GPT:
     torch.manual_seed(0)
-    engine, *_ = zeropp.initialize(model=GPT(GPTConfig(block_size=32, n_layer=3, n_embd=48)), config=cfg)
+    return GPT(GPTConfig(block_size=32, n_layer=3, n_embd=48))
+
+
+def block_score() -> float:
+    """A block's granularity by DeepSpeed's rule (checked by hand in test_partition_assign.py)."""
+    gpt = model()
+    return granularities(gpt)[gpt.transformer.h[0]]
+
+
+def train(rank: int, world: int, granularity: str, **zero: int) -> dict:
+    cfg = {**CFG, "zero_optimization": {**CFG["zero_optimization"], "gather_granularity": granularity, **zero}}
+    engine, *_ = zeropp.initialize(model=model(), config=cfg)
     tokens = corpus_tokens()
     losses = []
     for step in range(3):
@@ -32,7 +45,9 @@ def train(rank: int, world: int, granularity: str) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"losses": losses, "units": len(engine.units), "comm": engine.comm_report()}
+    return {"losses": losses, "units": len(engine.units), "comm": engine.comm_report(),
+            "kept": sorted(u.module_name for u in engine.units if u in engine.kept),
+            "gathered": sorted(u.module_name for u in engine.units if u.state.value == "gathered")}
 
 
 class Bypass(nn.Module):
@@ -62,7 +77,10 @@ def bypass(rank: int, world: int) -> dict:
 
 def scenarios(rank: int, world: int) -> dict:
     return {"block": train(rank, world, "block"), "module": train(rank, world, "module"),
-            "bypass": bypass(rank, world)}
+            "bypass": bypass(rank, world),
+            # LayerNorms (2 x 48 elements) persist, Linears (>= 2,352) do not
+            "persist": train(rank, world, "module", stage3_param_persistence_threshold=96),
+            "granular": train(rank, world, "module", stage3_module_granularity_threshold=int(block_score()))}
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,3 +99,22 @@ def test_a_block_submodule_run_on_its_own_gathers_its_block():
     for res in results():
         assert res["bypass"]["got"] == [res["bypass"]["want"]] * 2
         assert set(res["bypass"]["gathered"]) == {"sharded"}  # nothing left gathered after the pass
+
+
+def test_the_granularity_threshold_makes_each_block_a_leaf():
+    for res in results():
+        assert res["granular"]["units"] == res["block"]["units"]
+        assert res["granular"]["losses"] == res["block"]["losses"]
+        assert res["granular"]["comm"] == res["block"]["comm"]
+
+
+def test_persistent_units_are_gathered_once_per_step_and_train_the_same():
+    for res in results():
+        persist, module = res["persist"], res["module"]
+        lns = [f"transformer.h.{i}.{ln}" for i in range(3) for ln in ("ln_1", "ln_2")] + ["transformer.ln_f"]
+        assert persist["kept"] == sorted(lns)
+        assert persist["gathered"] == persist["kept"]  # held past the step; the others released
+        # the LayerNorms' weights change every step: equal losses mean each step's first use re-gathered them
+        assert persist["losses"] == module["losses"]
+        gathered = lambda c: sum(v for phase, links in c.items() if "gather" in phase for v in links.values())
+        assert 0 < gathered(persist["comm"]) < gathered(module["comm"])

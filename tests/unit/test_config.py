@@ -102,7 +102,8 @@ def test_defaults_follow_deepspeed() -> None:
     assert zero.allgather_bucket_size == 500_000_000
     assert zero.reduce_bucket_size is None  # a deliberate difference: sized from the model (Note [bucket size])
     assert zero.stage3_prefetch_bucket_size == 50_000_000
-    assert zero.stage3_param_persistence_threshold == 100_000
+    assert zero.stage3_param_persistence_threshold == 0  # a deliberate difference (docs/config.md, "Persistence")
+    assert zero.stage3_module_granularity_threshold == 0
     assert zero.zero_hpz_partition_size == 1 and zero.quantization_block_size == 2048
     assert (zero.zero_quantized_weights_bits, zero.zero_quantized_gradients_bits) == (8, 4)
     assert (cfg.gradient_clipping, cfg.steps_per_print, cfg.fp16.initial_scale_power) == (0.0, 10, 16)

@@ -45,6 +45,21 @@ def test_a_deprecated_flag_beside_its_section_is_an_error() -> None:
         load_config({"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": "yes"}})
 
 
+def test_deepspeeds_field_names_of_stage3_keys_are_read_silently() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config({"zero_optimization": {"stage": 3, "param_persistence_threshold": 1e4,
+                                                 "model_persistence_threshold": 5e5, "prefetch_bucket_size": 7,
+                                                 "max_live_parameters": 8, "module_granularity_threshold": 9}})
+    zero = cfg.zero_optimization
+    assert (zero.stage3_param_persistence_threshold, zero.stage3_model_persistence_threshold) == (10_000, 500_000)
+    assert (zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters) == (7, 8)
+    assert zero.stage3_module_granularity_threshold == 9
+    with pytest.raises(ConfigError, match="zero_optimization.max_reuse_distance: given beside "
+                                          "zero_optimization.stage3_max_reuse_distance"):
+        load_config({"zero_optimization": {"stage": 3, "max_reuse_distance": 1, "stage3_max_reuse_distance": 2}})
+
+
 def test_keys_deepspeed_does_not_read_are_dropped_with_a_warning() -> None:
     cfg, notes = load_warned({"monitor_config": {"enabled": True}, "comms_config": {"verbose": False},
                               "cuda_visible_devices": 0, "_comment": "a note"})

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from zeropp.partition.assign import plan_units
+from zeropp.partition.assign import granular_leaves, granularities, plan_units
 from zeropp.partition.spec import RowLayout, ShardSpec, take_chunk
 from zeropp.partition.unit import Unit, UnitState
 
@@ -381,3 +381,39 @@ def test_an_uninitialized_lazy_parameter_is_refused_by_name() -> None:
         plan_units(model)
     model(torch.randn(1, 4))  # materialized by one forward: accepted
     assert [p.shape for u in plan_units(model) for _, p in u.params] == [(4, 4), (4,), (2, 4), (2,)]
+
+
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)  # 72 elements each
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)  # 16
+        self.attn = _Attn()
+        self.act = nn.GELU()  # no parameters: not a layer
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(2))
+        self.head = nn.Linear(8, 64)  # 576
+
+
+def test_granularity_scores_follow_deepspeeds_rule():
+    """parameters // (1 + torch leaf layers with parameters); leaves, containers and empty modules never score."""
+    model = _Stack()
+    score = granularities(model)
+    assert score[model.layers[0].attn] == 144 // 3  # q, o and itself
+    assert score[model.layers[0]] == 160 // 5  # norm, q, o, attn, itself
+    assert score[model] == (2 * 160 + 576) // (2 * 5 + 1 + 1)  # the ModuleList adds no layer of its own
+    never = [model.layers, model.head, model.layers[0].norm, model.layers[0].act]
+    assert all(score[m] == float("inf") for m in never)
+    assert granular_leaves(model, 32) == list(model.layers)  # outermost first: the layers, not their attn
+    assert granular_leaves(model, 48) == list(model.layers)
+    assert granular_leaves(model, 31) == []
+    assert granular_leaves(model, 74) == [model]

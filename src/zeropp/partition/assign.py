@@ -86,6 +86,58 @@ def mark_leaves(model: nn.Module, classes: Iterable[Union[type, str]] = (), name
     return out
 
 
+# Note [granularity threshold]: DeepSpeed's stage3_module_granularity_threshold. A module's granularity is its
+# subtree's parameter count over (1 + the torch leaf modules with parameters under it): small, many-layered
+# modules score low. The outermost module scoring at or under the threshold becomes a leaf, so one gather serves
+# its whole subtree instead of one per layer. As in DeepSpeed: modules without parameters, torch leaf modules,
+# torch's containers (ModuleList, Sequential...: their children keep their own forwards) and subtrees over 1e9
+# parameters never score.
+_NEVER = float("inf")
+_MAX_LEAF = 1e9
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
+
+
+def granularities(model: nn.Module) -> dict[nn.Module, float]:
+    """Every module's granularity score (Note [granularity threshold]); ``inf`` for those that never score."""
+    score: dict[nn.Module, float] = {}
+
+    def visit(module: nn.Module) -> tuple[int, int]:  # (torch leaf layers with parameters, parameters)
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        children = list(module.children())
+        if not children:
+            score[module] = _NEVER
+            return (1, own) if own else (0, 0)
+        layers, params = 0, own
+        for child in children:
+            child_layers, child_params = visit(child)
+            layers, params = layers + child_layers, params + child_params
+        if params == 0 or type(module) in _CONTAINERS:
+            score[module] = _NEVER
+            return layers, params
+        layers += 1
+        score[module] = params // layers if params <= _MAX_LEAF else _NEVER
+        return layers, params
+
+    visit(model)
+    return score
+
+
+def granular_leaves(model: nn.Module, threshold: int) -> list[nn.Module]:
+    """The modules DeepSpeed's granularity threshold makes leaves: outermost first, none inside another."""
+    score = granularities(model)
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if score[module] <= threshold:
+            out.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return out
+
+
 def block_names(model: nn.Module) -> list[str]:
     """Names of the modules that are children of an ``nn.ModuleList`` (transformer layers, typically)."""
     out = []

@@ -52,6 +52,7 @@ from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder, CollectiveOrderError
 from zeropp.zero import idle_watch
 from zeropp.zero.param_use import ParamUse, unwatched
+from zeropp.zero.persistence import KeptUnits, persistent_units
 from zeropp.zero.reports import EngineReports
 from zeropp.zero.timing import StepTimer, format_time_report
 
@@ -120,6 +121,8 @@ class TrainPolicy:
     gather_granularity: str = "block"  # stage 3 units: one per block (ModuleList child) or per module
     prefetch_bucket_size: int = 50_000_000  # stage 3: most elements one prefetch may gather (0: none)
     max_live_parameters: int = 1_000_000_000  # stage 3: gathered + in-flight elements a prefetch may reach
+    persistence_threshold: int = 0  # stage 3: units this small stay gathered until the step (Note [persistent units])
+    model_persistence_threshold: int = 2**63 - 1  # stage 3: the most elements persistent units hold together
     broadcast_rank0: bool = True  # take rank 0's weights at construction (Note [one model at initialize])
     grad_predivide: float = 1.0  # gradients divided by this before the reduction (DeepSpeed's predivide factor)
     grad_sum: bool = False  # the step uses the ranks' summed gradient instead of their mean
@@ -183,6 +186,9 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
                              "shards on the compute device; it needs stage 3 without offload_param or NVMe")
         self.units, trainable = self._build_units(module, param_init_fn, trainable)
         self._stepped = [u for u in self.units if u.steps]  # units with gradient rows and a step (not frozen)
+        self.kept = KeptUnits(persistent_units(self.units, policy.persistence_threshold,
+                                               policy.model_persistence_threshold)
+                              if self.plan.shards_weights else frozenset())  # Note [persistent units]
         # stage 3: reads of a parameter outside its unit's forward (Note [external reads])
         self.use = ParamUse(module, self.units, lambda u: self._gather(u, self._pass()),
                             lambda u: self._release(u, self._pass()),
@@ -404,9 +410,18 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
     @_OUTSIDE_INFERENCE_MODE
     @unwatched
     def _gather(self, unit: Unit, which: Pass) -> None:
-        if unit.state is UnitState.GATHERED:
-            return
         order = self._order[which]
+        if unit.state is UnitState.GATHERED:
+            if unit not in self.kept:
+                return
+            if self.kept.holds(unit):  # in the order all the same, so that prefetching sees the same order
+                order.append(unit)      # whether it was kept or gathered afresh
+                self._prefetch(which, len(order) - 1)
+                return
+            # persistent, but its shard changed since: gather it afresh. Freed without on_release, so that no
+            # hpZ slice is cut from the old weights under the new version.
+            self.gathered_weights.released(unit)
+            unit.release()
         order.append(unit)
         pending = self._inflight.pop(unit, None) or self._start_gather(unit, which)
         assert pending is not None
@@ -416,6 +431,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         unit.materialize(rows, layout)
         pending.recycle()  # the rows were copied out: the strategy reuses the buffer (Note [buffer pool])
         self.gathered_weights.gathered(unit)
+        self.kept.gathered(unit)
 
     def _prefetch(self, which: Pass, position: int) -> None:
         """Start gathering the unit that followed this one last time, so it overlaps this unit's compute.
@@ -448,7 +464,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
     @_OUTSIDE_INFERENCE_MODE
     @unwatched
     def _release(self, unit: Unit, which: Pass) -> None:
-        if unit.state is UnitState.GATHERED and not self._held_whole:
+        if unit.state is UnitState.GATHERED and not self._held_whole and not self.kept.holds(unit):
             self._strategy(which).on_release(unit)
             self.gathered_weights.released(unit)
             unit.release()

@@ -10,7 +10,7 @@ subclass with no state of its own, whose properties read where zeropp keeps the 
   else ``NOT_AVAILABLE``;
 * ``ds_tensor``: this rank's part of the values (a copy, in the parameter's dtype; padding left out);
 * ``ds_id``: a number unique among the parameters of its engine (or of those partitioned at construction);
-* ``ds_persist``: False (zeropp keeps no parameter gathered between passes).
+* ``ds_persist``: whether its unit persists (stays gathered between passes: Note [persistent units]).
 """
 from __future__ import annotations
 
@@ -48,7 +48,9 @@ class DeepSpeedParameter(nn.Parameter):
 
     @property
     def ds_persist(self) -> bool:
-        return False
+        loc = ps.locate(self)
+        kept = getattr(loc.engine, "kept", None) if loc is not None else None
+        return kept is not None and loc.unit in kept
 
     @property
     def ds_status(self) -> ZeroParamStatus:
