@@ -259,8 +259,30 @@ def unused(rank: int) -> dict:
     return out
 
 
+def comm_calls(rank: int, world: int) -> dict:
+    """``deepspeed.comm`` as scripts use it: collectives on the world and on a group, each tallied."""
+    import deepspeed.comm as dist
+    from deepspeed.comm import ReduceOp
+    dist.reset_log()
+    x = torch.full((4,), float(rank + 1))
+    dist.all_reduce(x, op=ReduceOp.SUM, log_name="metric")
+    y = torch.full((2,), float(rank))
+    dist.broadcast(y, src=world - 1)
+    out = torch.empty(2 * world)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
+    pair = dist.new_group([0, 1])
+    z = torch.ones(1)
+    if rank < 2:
+        dist.all_reduce(z, group=pair)
+    dist.barrier()
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": x.tolist(), "bcast": y.tolist(),
+            "gathered": out.tolist(), "pair": z.item(), "log": dist.log_summary(return_dict=True),
+            "count": dist.get_comm_operation_count()}
+
+
 def scenario(rank: int, world: int) -> dict:
     zeropp.install_deepspeed_alias()
+    comm = comm_calls(rank, world)
     out: dict = {v: alias_run(rank, *v) for v in VARIANTS}
     out["reductions"] = reductions(rank)
     out["leaves"] = leaf_units(rank)
@@ -268,6 +290,7 @@ def scenario(rank: int, world: int) -> dict:
     out["engine"] = engine_module(rank)
     out["writes"] = gathered_writes(rank)
     out["unused"] = unused(rank)
+    out["comm"] = comm
     return out
 
 
@@ -401,3 +424,17 @@ def test_unused_parameters_are_named_at_stages_1_and_2_when_asked():
             assert err is not None and "got no gradient" in err and "rank(s) [0, 1]" in err, (stage, err)
             assert "'head.weight'" in err
             assert res["unused"][stage, True] is None
+
+
+def test_deepspeed_comm_runs_collectives_and_tallies_them():
+    n = WORLD * (WORLD + 1) / 2
+    for rank, res in enumerate(results()):
+        c = res["comm"]
+        assert (c["rank"], c["world"]) == (rank, WORLD)
+        assert c["sum"] == [n] * 4 and c["bcast"] == [float(WORLD - 1)] * 2
+        assert c["gathered"] == [float(r) for r in range(WORLD) for _ in range(2)]
+        assert c["pair"] == (2.0 if rank < 2 else 1.0)
+        calls = 2 if rank < 2 else 1
+        assert c["log"]["all_reduce"] == {"calls": calls, "bytes": 16 + 4 * (calls - 1)}
+        assert c["log"]["all_gather_into_tensor"] == {"calls": 1, "bytes": 8}
+        assert c["count"] == calls + 3  # all_reduce(s), broadcast, all_gather_into_tensor, barrier

@@ -62,9 +62,13 @@ def test_uninstall_takes_every_name_away(alias):
         importlib.import_module("deepspeed")
 
 
-def test_deepspeeds_comm_is_not_provided(alias):
-    with pytest.raises(ModuleNotFoundError, match="deepspeed.comm"):
-        importlib.import_module("deepspeed.comm")
+def test_deepspeeds_comm_is_provided_and_works_without_a_process_group(alias):
+    import deepspeed
+    from deepspeed.comm import ReduceOp, get_rank, get_world_size, log_summary, reset_log
+    assert deepspeed.comm.__name__ == "zeropp.compat.deepspeed.comm" and ReduceOp.SUM is not None
+    assert (get_rank(), get_world_size()) == (0, 1)  # as DeepSpeed's, before any group exists
+    reset_log()
+    assert log_summary(return_dict=True) == {} and log_summary() is None
 
 
 def test_import_zeropp_as_deepspeed_reaches_the_subpackages():

@@ -1,6 +1,6 @@
 """``deepspeed``, as zeropp provides it (``zeropp.compat.install_deepspeed_alias`` registers this package under
-that name): ``initialize``, ``init_distributed``, ``add_config_arguments``, ``zero``, ``checkpointing``, ``utils``
-and ``runtime``. Names below DeepSpeed's that zeropp lacks raise :class:`DeepSpeedAPIError` naming them.
+that name): ``initialize``, ``init_distributed``, ``add_config_arguments``, ``zero``, ``checkpointing``, ``utils``,
+``runtime`` and ``comm``. Names below DeepSpeed's that zeropp lacks raise :class:`DeepSpeedAPIError` naming them.
 
 ``__version__`` is the DeepSpeed release whose API this layer follows (integrations compare it);
 ``__zeropp_version__`` is zeropp's own.
@@ -10,12 +10,12 @@ from typing import Any
 from zeropp import checkpointing
 from zeropp._version import __version__ as __zeropp_version__
 from zeropp.api import initialize
-from zeropp.compat.deepspeed import runtime, utils, zero
+from zeropp.compat.deepspeed import comm, runtime, utils, zero
 from zeropp.deepspeed_api import MISSING_MODULE_API, add_config_arguments, init_distributed, missing
 
 __version__ = "0.19.8"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "checkpointing", "utils", "runtime",
-           "__zeropp_version__"]
+           "comm", "__zeropp_version__"]
 
 
 def __getattr__(name: str) -> Any:
