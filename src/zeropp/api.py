@@ -26,6 +26,7 @@ from zeropp.config import ZeroConfig, ZeroppConfig, load_config
 from zeropp.config_auto import AutoValues
 from zeropp.offload.link import build_link
 from zeropp.offload.residency import build_residency
+from zeropp.zero import compiled as compiled_regions
 from zeropp.partition.assign import granular_leaves, granularities, mark_leaves, set_leaf
 from zeropp.optim import build_optimizer, build_scheduler
 from zeropp.plus.frozen import FrozenApart, FrozenGather, QuantizedFrozenUnits
@@ -176,6 +177,7 @@ def initialize(
     """
     if model is None:
         raise TypeError("initialize: model is required")
+    model, compiled_call = compiled_regions.unwrap(model)  # torch.compile(model): names stay the model's
     for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
         if value is not None:
             raise DeepSpeedAPIError(f"initialize({name}=...): model parallelism is not implemented by zeropp; "
@@ -234,10 +236,13 @@ def initialize(
                 param_init_fn=param_init_fn,
                 residency=residency,
                 link=link,
+                compiled_call=compiled_call,
             )
     except BaseException:
         residency.close()  # no offload file outlives a failed start
         raise
+    if cfg.compile.enabled:  # DeepSpeed's older compile section: compile at initialize
+        engine.compile(cfg.compile.backend, cfg.compile.kwargs)
     checkpointing.attach(comm)  # partition_activations "node" splits checkpoints over this engine's nodes
     loader = None
     if training_data is not None:  # DeepSpeed's loader: micro-batches of this rank's part of each epoch

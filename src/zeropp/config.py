@@ -52,6 +52,7 @@ from zeropp.config_models import (
     AnyOptimizerConfig,
     AnySchedulerConfig,
     Bf16Config,
+    CompileConfig,
     DSInt,
     F,
     Fp16Config,
@@ -74,6 +75,7 @@ from zeropp.config_models import (
     WarmupLRConfig,
     WarmupLRParams,
     ZeroConfig,
+    deepcompile_keys,
     problem,
 )
 
@@ -170,6 +172,8 @@ class ZeroppConfig(Section):
                        status=STATUS_TUNING)
     tensor_parallel: TensorParallelConfig = F(default_factory=TensorParallelConfig, doc="DeepSpeed's "
                                               "automatic tensor parallelism (off only).", status=STATUS_PARTIAL)
+    compile: CompileConfig = F(default_factory=CompileConfig, doc="torch.compile at initialize (engine.compile); "
+                               "DeepCompile is not supported yet.", status=STATUS_PARTIAL)
 
     @model_validator(mode="after")
     def _one_precision(self) -> ZeroppConfig:
@@ -251,6 +255,10 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 f"accepted: {', '.join(SCHEDULER_TYPES)}"),
     Unsupported("scheduler.params.last_batch_iteration", lambda v: v != -1,
                 "resume a schedule through its state_dict instead; accepted: -1"),
+    *(Unsupported(f"compile.{key}", lambda v, d=default: v != d,
+                  f"DeepCompile, DeepSpeed's ZeRO as compiler passes; torch.compile works without it "
+                  f"(compile.enabled, engine.compile); accepted: {json_short(default)}")
+      for key, default in deepcompile_keys().items()),
 )
 
 

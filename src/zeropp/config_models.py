@@ -408,12 +408,52 @@ class AioConfig(Section):
     use_gds: bool = F(False, doc="GPUDirect Storage; `true` is not supported yet.", status=STATUS_PARTIAL)
 
 
+_DEEPCOMPILE = ("A DeepCompile option (DeepSpeed applies it only with deepcompile: true): its default is accepted, "
+                "another value is not supported yet.")
+
+
 class TensorParallelConfig(Section):
     """`tensor_parallel`: DeepSpeed's automatic tensor parallelism. zeropp partitions over data-parallel
     ranks only: a size above 1 is not supported."""
 
     autotp_size: DSInt = F(0, ge=0, doc="Tensor-parallel degree; 0 or 1 (off) is accepted, above 1 is not "
                            "supported yet.", status=STATUS_PARTIAL)
+
+
+class CompileConfig(Section):
+    """`compile`: torch.compile, in DeepSpeed's older form (`enabled`, `backend`, `kwargs`) and with 0.19's
+    DeepCompile keys, of which zeropp has none (Note [compiled regions] in zeropp/zero/compiled.py)."""
+
+    enabled: bool = F(False, doc="Compile the model at initialize, as engine.compile(backend, kwargs) does: "
+                      "each block (a child of an nn.ModuleList) in place, else the whole model.")
+    backend: str = F("inductor", doc="The torch.compile backend (\"inductor\", \"aot_eager\", ...); one torch "
+                     "does not know is an error at initialize naming it.")
+    kwargs: dict[str, Any] = F(default_factory=dict, doc="Other torch.compile keyword arguments (mode, "
+                               "fullgraph, dynamic, options).")
+    deepcompile: bool = F(False, doc="DeepSpeed's DeepCompile (ZeRO as compiler passes): not supported yet; "
+                          "true is refused.", status=STATUS_PARTIAL)
+    free_activation: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    free_activation_threshold: DSInt = F(10 * 1024 * 1024, ge=0, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    offload_activation: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    offload_activation_pin_memory: bool = F(True, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    offload_opt_states: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    double_buffer: bool = F(True, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    symmetric_memory: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    debug_log: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    offload_parameters: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    sync_before_reduce: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    sync_after_reduce: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    sync_before_allgather: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    sync_after_allgather: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    keep_int_input_tensors: bool = F(True, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    keep_all_input_tensors: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    passes: list[str] | None = F(None, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+
+
+def deepcompile_keys() -> dict[str, Any]:
+    """DeepCompile's keys of the `compile` section and their defaults (other values are not supported yet)."""
+    return {name: f.default for name, f in CompileConfig.model_fields.items()
+            if name not in ("enabled", "backend", "kwargs")}
 
 
 class TopologyConfig(Section):

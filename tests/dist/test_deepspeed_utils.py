@@ -206,9 +206,10 @@ def engine_module(rank: int) -> dict:
                                               if phase.value == "forward_gather")}
     engine.train()
     try:
-        engine.compile()
-    except NotImplementedError as err:
+        engine.compile(backend="no_such_backend")
+    except ValueError as err:
         out["compile"] = str(err)
+    out["compiled_before"] = engine.is_compiled
     engine.destroy()
     return out
 
@@ -404,7 +405,8 @@ def test_the_engine_is_a_module_that_passes_the_models_attributes_through():
         assert got["module"] and got["same"] and got["head"] and got["eval"]
         assert got["names"] == ["module." + n for n in got["model_names"]]
         assert got["modules"] == ["", "module"] and got["describe"] == "3 pairs"
-        assert "engine.compile is not implemented" in got["compile"]
+        assert "compile backend 'no_such_backend'" in got["compile"] and "aot_eager" in got["compile"]
+        assert got["compiled_before"] is False  # a failed compile leaves the model eager
         assert got["held"] and got["generate"]["same"] and got["generate"]["released"]
         assert got["generate"]["forward_gathers"] == 0  # gathered once on entry, not per forward
 

@@ -7,11 +7,13 @@ method that zeropp lacks raises :class:`DeepSpeedAPIError` naming it, instead of
 from __future__ import annotations
 
 import os
-from typing import Any
+import warnings
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from zeropp.zero import compiled as compiled_regions
 from zeropp.zero.timing import WARM_UP_STEPS
 
 # DeepSpeedEngine methods and attributes that training code calls and zeropp does not provide (yet)
@@ -20,7 +22,7 @@ MISSING_ENGINE_API = frozenset({
     "get_mom", "get_pld_theta", "monitor", "flops_profiler", "curriculum_learning_enabled",
     "random_ltd_enabled", "compression_scheduler", "pipeline_parallelism", "eigenvalue_enabled",
     "sparse_gradients_enabled", "data_efficiency_enabled", "offload_states", "reload_states",
-    "compile", "is_compiled", "empty_partition_cache", "no_sync", "set_data_post_process_func",
+    "empty_partition_cache", "no_sync", "set_data_post_process_func",
     "set_custom_curriculum_learning_schedule", "get_sequence_parallel_group", "module_state_dict",
     "load_module_state_dict", "get_data_types", "optimizer_name", "timers",
 })
@@ -145,10 +147,32 @@ class DeepSpeedSurface:
         """DeepSpeed's name for releasing the engine's resources (``close``)."""
         self.close()  # type: ignore[attr-defined]
 
-    def compile(self, backend: Any = None, compile_kwargs: Any = None, **kwargs: Any) -> None:
-        """DeepSpeed's ``engine.compile(backend=..., compile_kwargs=...)``: not implemented by zeropp yet (the
-        engine is an ``nn.Module``, whose own ``compile`` would compile around the engine's hooks)."""
-        raise DeepSpeedAPIError("DeepSpeed's engine.compile is not implemented by zeropp yet")
+    def compile(self, backend: Any = "inductor", compile_kwargs: Optional[dict[str, Any]] = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` of the model in place, one region per block (else the
+        whole model), with ``backend`` and the other ``compile_kwargs``; a second call does nothing. The first
+        optimizer step runs eagerly, then compiled (Note [compiled regions] in ``zero/compiled.py``)."""
+        if schedule is not None:
+            raise DeepSpeedAPIError("engine.compile(schedule=...): a DeepCompile pass schedule; zeropp has no "
+                                    "DeepCompile yet: leave schedule out")
+        if compiled_autograd_enabled:
+            raise DeepSpeedAPIError("engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                                    "supported yet: leave it False (backward runs the compiled regions' graphs)")
+        if self.is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:  # DeepSpeed warns and uses the argument too
+            warnings.warn("engine.compile: the backend in compile_kwargs is overridden by the backend argument",
+                          stacklevel=2)
+            del kwargs["backend"]
+        compiled_regions.compile_model(self.module, backend, kwargs)  # type: ignore[attr-defined]
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the model, or parts of it, run compiled (``engine.compile``, ``module.compile()``, or a
+        model compiled whole before ``initialize``)."""
+        return (self.__dict__.get("_compiled_call") is not None
+                or compiled_regions.compiled_parts(self.module))  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:
         """An ``nn.Module``'s parameters, buffers and children first, then, as DeepSpeed's engine does, the

@@ -45,6 +45,7 @@ from zeropp.topology import Topology
 from zeropp.zero import gathered
 from zeropp.zero.background import BackgroundUpdate
 from zeropp.zero.buckets import GradBuckets
+from zeropp.zero import compiled as compiled_regions
 from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_state_dict
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
@@ -163,9 +164,13 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
         residency: Optional[Resident] = None,
         link: Optional[HostLink] = None,
+        compiled_call: Optional[Callable[..., Any]] = None,
     ) -> None:
         nn.Module.__init__(self)
         self.module = module
+        # a model compiled whole: its wrapper runs the forward, held outside the module tree so that names stay
+        # the model's (Note [compiled regions] in zero/compiled.py)
+        self.__dict__["_compiled_call"] = compiled_call
         self.residency = residency or Resident()  # where model states wait between uses (NVMe or memory)
         self.link = link or HostLink()  # how offloaded rows cross between device and host
         self._uploads: dict[Unit, Transfer] = {}  # 16-bit shards on their way up after a step
@@ -223,6 +228,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         self._grads_missing: dict[Unit, int] = {}
         self._grads_seen: set[tuple[int, int]] = set()  # (unit, slot) whose gradient arrived this backward
         self._held_whole = False  # every unit gathered and kept (held_whole): the hooks release nothing
+        self._quiet = False  # this pass runs compiled code without watches (Note [compiled regions])
         self.order = CollectiveOrder()  # Note [collective order]
         self._backward_open = False
         self.micro_steps = 0
@@ -357,6 +363,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         return Pass.BACKWARD if self._backward_open else Pass.FORWARD
 
     def _make_pre_forward(self, unit: Unit) -> Callable:
+        @compiled_regions.eager
         @unwatched
         def hook(module: nn.Module, args: Any) -> None:
             current = self._pass()
@@ -368,6 +375,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         return hook
 
     def _make_post_forward(self, unit: Unit) -> Callable:
+        @compiled_regions.eager
         @unwatched
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
@@ -491,18 +499,35 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         with self.timer.span("forward"):  # the engine's own work is in a span: untracked is the caller's
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
             self._order[Pass.FORWARD] = []
-            if self.use is None:
-                with self.activations.watching():  # Note [activation meter]
-                    return self.module(*args, **kwargs)
-            try:
-                with self.use.watching(), self.activations.watching():  # the meter chains to the weights' hooks
-                    out = self.module(*args, **kwargs)
-            finally:
-                self._drain_prefetches(Pass.FORWARD)
-                for unit in self.units:  # a unit whose forward raised is still gathered
-                    self._release(unit, Pass.FORWARD)
+            run = self.module if self._compiled_call is None else self._compiled_call
+            compiled = self._compiled_call is not None or compiled_regions.compiled_parts(self.module)
+            learning = compiled and self.global_steps == 0  # Note [compiled regions]: the first step runs eagerly
+            self._quiet = compiled and not learning
+            with compiled_regions.force_eager() if learning else contextlib.nullcontext():
+                if self.use is None:
+                    with contextlib.nullcontext() if self._quiet else self.activations.watching():
+                        return run(*args, **kwargs)  # Note [activation meter]
+                try:
+                    with self._watch():
+                        out = run(*args, **kwargs)
+                finally:
+                    self._drain_prefetches(Pass.FORWARD)
+                    for unit in self.units:  # a unit whose forward raised is still gathered
+                        self._release(unit, Pass.FORWARD)
             self.strategies.forward_gather.settle()  # Note [deferred weight checks] in plus/qwz.py
             return out
+
+    @contextlib.contextmanager
+    def _watch(self) -> Iterator[None]:
+        """Stage 3's watches over a pass: all of them (the meter chains to the weights' saved-tensor hooks), or,
+        for compiled code, none that Dynamo would trace (Note [compiled regions])."""
+        assert self.use is not None
+        if not self._quiet:
+            with self.use.watching(), self.activations.watching():
+                yield
+            return
+        with torch._C.DisableTorchFunction(), self.use.quiet():
+            yield
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
@@ -516,7 +541,10 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             self._grads_missing = {}
             self._grads_seen = set()
             self._order[Pass.BACKWARD] = []
-            watch = self.use.watching() if self.use is not None else contextlib.nullcontext()
+            watch = self._watch() if self.use is not None else contextlib.nullcontext()
+            if self.use is not None and self._quiet:  # a compiled graph reads the weights it saved hook-free
+                for unit in self.use.spans:
+                    self._gather(unit, Pass.BACKWARD)
             try:
                 with watch:
                     (loss * factor if factor != 1.0 else loss).backward()

@@ -145,7 +145,8 @@ class ParamUse:
         self.spans: dict[Unit, str] = {}  # learned: the module whose forward end releases the unit
         self._released_in: dict[Unit, set[int]] = {}  # the forward calls running when it was last released
         self._reported: set[tuple[str, str]] = set()
-        self._active = False  # inside watching()
+        self._active = False  # inside watching() or quiet()
+        self._quiet = False  # inside quiet(): compiled passes (Note [compiled regions] in compiled.py)
         self._direct: Optional[contextlib.ExitStack] = None  # watching a forward not called through the engine
         for name, mod in root.named_modules():
             self._names[id(mod)] = name
@@ -170,6 +171,20 @@ class ParamUse:
                 yield
         finally:
             self._active = False
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """A pass of compiled code (Note [compiled regions] in ``compiled.py``): no mode and no saved-tensor
+        hooks; units with a learned span are held until the pass ends instead of until their span's end."""
+        self._stack.clear()
+        self._running.clear()
+        self._held.clear()
+        self._released_in.clear()
+        self._active = self._quiet = True
+        try:
+            yield
+        finally:
+            self._active = self._quiet = False
 
     @unwatched
     def _pack(self, t: torch.Tensor) -> Any:
@@ -219,6 +234,8 @@ class ParamUse:
 
     # ---- module stack ------------------------------------------------------------------------------------
     def _enter(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # traced as nothing: compiled code keeps its units' spans by quiet()
+            return
         name = self._names.get(id(module))
         if name is None:
             return
@@ -235,6 +252,8 @@ class ParamUse:
                 self._held.setdefault(name, set()).add(hit[0])
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         name = self._names.get(id(module))
         if name is None or not self._running[name]:
             return
@@ -251,6 +270,8 @@ class ParamUse:
     def defer(self, unit: Unit) -> bool:
         """At the end of ``unit``'s own forward: True when a learned span says keep it gathered for now."""
         if any(unit in held for held in self._held.values()):  # declared external, or kept by a span already
+            return True
+        if self._quiet and unit in self.spans:  # its span's module may run inside compiled code: hold to the end
             return True
         span = self.spans.get(unit)
         if span is not None and self._running[span]:
