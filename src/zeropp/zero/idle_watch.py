@@ -42,6 +42,8 @@ _WATCHERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 class _IdleMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # code compiled outside the engine: traced as a plain call, no guards
+            return func(*args, **kwargs)   # on the watchers (Note [compiled regions] in compiled.py)
         if _WATCHERS:
             for watcher in tuple(_WATCHERS):
                 watcher.check_idle(func, args, kwargs)
