@@ -86,6 +86,17 @@ def test_fp32_training_matches_the_plain_trainer(world: list[dict], tmp_path: Pa
             assert g[2] == pytest.approx(w[2], rel=1e-12), f"{case} step {step} learning_rate"
 
 
+def test_an_epoch_ending_inside_a_window_steps_as_the_plain_trainer(world: list[dict], tmp_path: Path) -> None:
+    """10 micro-batches per rank in windows of 4: the last step takes 2, scaled as the Trainer scales them;
+    each step's loss, gradient norm and learning rate agree with one process's batches of 32, 32 and 16 rows."""
+    got, want = world[0]["parity_epoch"], reference_parity(str(tmp_path), False, epoch=True)
+    assert len(got) == len(want) == 3
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
+        assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"
+        assert g[2] == pytest.approx(w[2], rel=1e-12), f"step {step} learning_rate"
+
+
 def test_save_model_loads_in_a_plain_process_as_the_fp32_masters(world: list[dict]) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel

@@ -113,6 +113,7 @@ def run(rank: int, world: int, root: str) -> dict:
     result["parity"] = _history(parity_trainer(os.path.join(root, "parity"), data, zeropp=True))
     result["parity_batch_mean"] = _history(parity_trainer(os.path.join(root, "parity2"), data, zeropp=True,
                                                           batch_mean_loss=True))
+    result["parity_epoch"] = _history(parity_trainer(os.path.join(root, "parity3"), data, zeropp=True, epoch=True))
     result["errors"] = errors(root, data)
     return result
 
@@ -124,17 +125,27 @@ PARITY_STEPS, PARITY_ROWS = 4, MICRO * GAS * 4
 PARITY_CONFIG = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}, "topology": {"ranks_per_node": 2}}
 
 
-def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = False) -> Any:
+# An epoch that ends inside a window: 80 rows are 10 micro-batches of 2 per rank, windows of 4: steps of 4, 4
+# and 2 micro-batches (32, 32 and 16 rows), against one process's batches of 32 rows (the last one 16).
+EPOCH_ROWS, EPOCH_GAS = 80, 4
+
+
+def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = False, epoch: bool = False) -> Any:
     """``batch_mean_loss``: the model is not handed the accumulated token count, so each micro-batch's loss is
-    its own mean and the Trainer's rule divides it by the accumulation steps (the engine does, here)."""
+    its own mean and the Trainer's rule divides it by the accumulation steps (the engine does, here).
+    ``epoch``: one epoch of ``EPOCH_ROWS`` rows whose last window is shorter."""
     import transformers
     from zeropp.hf import ZeroppTrainer
 
-    batch = dict(per_device_train_batch_size=MICRO, gradient_accumulation_steps=GAS) if zeropp else dict(
-        per_device_train_batch_size=PARITY_ROWS, gradient_accumulation_steps=1)
-    args = training_args(out, max_steps=PARITY_STEPS, bf16=False, warmup_steps=1, weight_decay=0.1,
-                         lr_scheduler_type="linear", save_strategy="no", train_sampling_strategy="sequential",
-                         **batch)
+    gas = EPOCH_GAS if epoch else GAS
+    batch = dict(per_device_train_batch_size=MICRO, gradient_accumulation_steps=gas) if zeropp else dict(
+        per_device_train_batch_size=MICRO * gas * 4, gradient_accumulation_steps=1)
+    length = dict(max_steps=-1, num_train_epochs=1, dataloader_drop_last=False) if epoch else dict(
+        max_steps=PARITY_STEPS)
+    if epoch:
+        data = torch.utils.data.Subset(data, range(EPOCH_ROWS))
+    args = training_args(out, bf16=False, warmup_steps=1, weight_decay=0.1, lr_scheduler_type="linear",
+                         save_strategy="no", train_sampling_strategy="sequential", **length, **batch)
     if zeropp:
         trainer = ZeroppTrainer(model=tiny_gpt2(seed=2), args=args, train_dataset=data,
                                 zeropp_config=copy.deepcopy(PARITY_CONFIG))
@@ -150,10 +161,10 @@ def _history(trainer: Any) -> list[tuple[float, float, float]]:
     return [(h["loss"], float(h["grad_norm"]), h["learning_rate"]) for h in trainer.state.log_history if "loss" in h]
 
 
-def reference_parity(root: str, batch_mean_loss: bool) -> list[tuple[float, float, float]]:
+def reference_parity(root: str, batch_mean_loss: bool, epoch: bool = False) -> list[tuple[float, float, float]]:
     """The plain Trainer's run in this (non-distributed) process."""
-    return _history(parity_trainer(os.path.join(root, f"reference{int(batch_mean_loss)}"), corpus_windows(),
-                                   zeropp=False, batch_mean_loss=batch_mean_loss))
+    return _history(parity_trainer(os.path.join(root, f"reference{int(batch_mean_loss)}{int(epoch)}"),
+                                   corpus_windows(), zeropp=False, batch_mean_loss=batch_mean_loss, epoch=epoch))
 
 
 def errors(root: str, data: Any) -> dict[str, str]:

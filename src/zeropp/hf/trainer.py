@@ -232,20 +232,6 @@ class ZeroppTrainer(transformers.Trainer):
                                      f"{self.engine.global_steps} but the Trainer's state in {checkpoint} at "
                                      f"step {self.state.global_step}")
 
-    def set_initial_training_values(self, args: transformers.TrainingArguments, dataloader: Any) -> tuple:
-        """The Trainer's values; refuses a run whose epoch ends inside an accumulation window (the Trainer
-        then steps after fewer micro-batches, and the engine counts whole windows)."""
-        values = super().set_initial_training_values(args, dataloader)
-        steps_in_epoch, max_steps, per_epoch = values[5], values[6], values[1]
-        gas = args.gradient_accumulation_steps
-        if steps_in_epoch % gas and max_steps >= per_epoch:
-            raise ZeroppTrainerError(
-                f"ZeroppTrainer: an epoch of {steps_in_epoch} batches per rank ends inside an accumulation window "
-                f"of gradient_accumulation_steps={gas}; not supported yet: make the batches per epoch a multiple "
-                "of it (dataset size, per_device_train_batch_size, dataloader_drop_last) or stop within the "
-                "first epoch (max_steps)")
-        return values
-
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
         """Forward through the engine, ``engine.backward``, ``engine.step()``; returns the loss as the Trainer
@@ -256,16 +242,12 @@ class ZeroppTrainer(transformers.Trainer):
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
-        gas = engine.gradient_accumulation_steps()
-        if self._loss_is_scaled_for_ga(num_items_in_batch):
-            # already this micro-batch's share of the accumulated batch; the engine divides by gas once more
-            engine.backward(loss * gas)
-            reported = loss
-        else:
-            engine.backward(loss)  # the engine divides by gas, as the Trainer would
-            reported = loss / gas
+        if not self._loss_is_scaled_for_ga(num_items_in_batch):
+            # the Trainer's rule: divide by the micro-batches of this window (fewer in an epoch's last window)
+            loss = loss / self.current_gradient_accumulation_steps
+        engine.backward(loss, scale_wrt_gas=False)  # scaled for the accumulation already, as with DeepSpeed
         self._engine_step(engine)
-        return reported.detach()
+        return loss.detach()
 
     def _loss_is_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
         """The Trainer's rule: a loss normalised by the window's token count is already scaled."""
@@ -276,12 +258,9 @@ class ZeroppTrainer(transformers.Trainer):
                     or self.compute_loss_func is not None)
 
     def _engine_step(self, engine: ZeroEngine) -> None:
-        boundary = engine.is_gradient_accumulation_boundary()
-        if boundary != self.accelerator.sync_gradients:  # set_initial_training_values rules this out
-            raise RuntimeError(f"ZeroppTrainer: at micro-step {engine.micro_steps} the engine "
-                               f"(gradient_accumulation_steps={engine.gradient_accumulation_steps()}) "
-                               f"{'ends' if boundary else 'does not end'} an accumulation window and the Trainer "
-                               f"{'does not' if boundary else 'does'}")
+        """Step where the Trainer syncs: at the end of each window, an epoch's last and shorter one included."""
+        boundary = self.accelerator.sync_gradients
+        engine.set_gradient_accumulation_boundary(boundary)
         if boundary:
             self.lr_scheduler.record_step_lr()  # what the Trainer logs as this step's learning rate
         engine.step()

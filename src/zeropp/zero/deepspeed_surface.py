@@ -18,7 +18,7 @@ from zeropp.zero.timing import WARM_UP_STEPS
 
 # DeepSpeedEngine methods and attributes that training code calls and zeropp does not provide (yet)
 MISSING_ENGINE_API = frozenset({
-    "set_train_batch_size", "set_train_micro_batch_size", "set_gradient_accumulation_boundary",
+    "set_train_batch_size", "set_train_micro_batch_size",
     "get_mom", "get_pld_theta", "monitor", "flops_profiler", "curriculum_learning_enabled",
     "random_ltd_enabled", "compression_scheduler", "pipeline_parallelism", "eigenvalue_enabled",
     "sparse_gradients_enabled", "data_efficiency_enabled", "offload_states", "reload_states",
@@ -142,6 +142,14 @@ class DeepSpeedSurface:
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """True: ``save_16bit_model`` (``checkpoint.CheckpointingEngine``) always gathers the full 16-bit weights."""
         return True
+
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """DeepSpeed's: make the next ``step()`` calls step the optimizer (True) or only accumulate (False)
+        whatever the micro-step count says, until called with None. An epoch's last, shorter window is the use
+        (transformers' Trainer, accelerate); the engine then counts that window as a whole one."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary: True, False or None, got {is_boundary!r}")
+        self._boundary_override = is_boundary  # type: ignore[attr-defined]
 
     def destroy(self) -> None:
         """DeepSpeed's name for releasing the engine's resources (``close``)."""

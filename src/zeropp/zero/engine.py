@@ -228,6 +228,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         self._grads_missing: dict[Unit, int] = {}
         self._grads_seen: set[tuple[int, int]] = set()  # (unit, slot) whose gradient arrived this backward
         self._held_whole = False  # every unit gathered and kept (held_whole): the hooks release nothing
+        self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (DeepSpeed's)
         self._quiet = False  # this pass runs compiled code without watches (Note [compiled regions])
         self.order = CollectiveOrder()  # Note [collective order]
         self._backward_open = False
@@ -529,14 +530,16 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         with torch._C.DisableTorchFunction(), self.use.quiet():
             yield
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); ``scale_wrt_gas=False``
+        (DeepSpeed's keyword): of ``loss`` as given, already scaled for the accumulation by the caller.
 
         Stages 2-3 reduce gradients into the owning shards as they appear; stages 0-1 accumulate them whole.
         """
         with self.timer.span("backward"):
             # the fp16 loss scale, the accumulation's mean and the reduction's pre-division, in one product
-            factor = self.loss_scale / (self.policy.gradient_accumulation_steps * self.policy.grad_predivide)
+            gas = self.policy.gradient_accumulation_steps if scale_wrt_gas else 1
+            factor = self.loss_scale / (gas * self.policy.grad_predivide)
             self._backward_open = True
             self._grads_missing = {}
             self._grads_seen = set()
@@ -599,6 +602,10 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         self.buckets.finish()
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` steps the optimizer: every ``gradient_accumulation_steps`` micro-steps,
+        unless ``set_gradient_accumulation_boundary`` said otherwise (an epoch's last, shorter window)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.policy.gradient_accumulation_steps == 0
 
     @unwatched  # the engine's own work: no torch-function mode need see the optimizer's calls
@@ -614,6 +621,10 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             self.micro_steps += 1
             if not boundary:
                 return
+            # a shorter window (a boundary set by hand) counts as a whole one, so that micro-steps stay a multiple
+            # of the accumulation at every boundary, as checkpoints expect
+            gas = self.policy.gradient_accumulation_steps
+            self.micro_steps = -(-self.micro_steps // gas) * gas
             if not self.plan.reduces_as_ready:
                 self._reduce_whole_gradients()
             after = self.policy.delayed_update_after
