@@ -23,11 +23,15 @@ TRAINING_ARGS_NAME = "training_args.bin"  # the Trainer's name for the saved Tra
 
 
 def save_fp32_pretrained(model: Any, state: dict[str, torch.Tensor], output_dir: str) -> None:
-    """``model.save_pretrained(output_dir, state_dict=state)`` with ``config.json`` saying float32.
+    """``model.save_pretrained(output_dir, state_dict=state)`` with ``config.json`` saying float32; for a PEFT
+    model, PEFT's own ``save_pretrained``, which keeps the adapter's weights from ``state``.
 
     Call on the writing rank only (global rank 0: ``save_pretrained`` writes nowhere else); ``state`` holds full
     fp32 tensors (tied names may share one tensor). ``model.config`` is left as it was.
     """
+    if hasattr(model, "peft_config"):  # a PEFT model writes its adapter (adapter_model + adapter_config) only
+        model.save_pretrained(output_dir, state_dict=state)
+        return
     before = model.config.dtype
     try:
         model.save_pretrained(output_dir, state_dict=state)

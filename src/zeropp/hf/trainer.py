@@ -127,8 +127,6 @@ class ZeroppTrainer(transformers.Trainer):
                             "zeropp takes their place; launch with torchrun")
         if self.model_init is not None:
             problems.append("model_init: not supported yet (the engine partitions one model)")
-        if hasattr(self.model, "peft_config"):
-            problems.append("model: a PEFT model is not supported yet by ZeroppTrainer")
         self._refuse(problems)
 
     @staticmethod
