@@ -86,6 +86,13 @@ def test_fp32_training_matches_the_plain_trainer(world: list[dict], tmp_path: Pa
             assert g[2] == pytest.approx(w[2], rel=1e-12), f"{case} step {step} learning_rate"
 
 
+def test_torch_compile_trains_through_the_engine_as_eager(world: list[dict]) -> None:
+    """TrainingArguments(torch_compile=True): the engine compiles per block (aot_eager: eager's kernels, so the
+    same values as the eager parity run, step by step)."""
+    history, compiled = world[0]["parity_compiled"]
+    assert compiled and history == world[0]["parity"]
+
+
 def test_an_epoch_ending_inside_a_window_steps_as_the_plain_trainer(world: list[dict], tmp_path: Path) -> None:
     """10 micro-batches per rank in windows of 4: the last step takes 2, scaled as the Trainer scales them;
     each step's loss, gradient norm and learning rate agree with one process's batches of 32, 32 and 16 rows."""

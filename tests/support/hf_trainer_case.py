@@ -113,6 +113,9 @@ def run(rank: int, world: int, root: str) -> dict:
     result["parity"] = _history(parity_trainer(os.path.join(root, "parity"), data, zeropp=True))
     result["parity_batch_mean"] = _history(parity_trainer(os.path.join(root, "parity2"), data, zeropp=True,
                                                           batch_mean_loss=True))
+    compiled = parity_trainer(os.path.join(root, "parity4"), data, zeropp=True, torch_compile=True,
+                              torch_compile_backend="aot_eager")
+    result["parity_compiled"] = (_history(compiled), compiled.engine.is_compiled)
     result["parity_epoch"] = _history(parity_trainer(os.path.join(root, "parity3"), data, zeropp=True, epoch=True))
     result["errors"] = errors(root, data)
     return result
@@ -130,7 +133,8 @@ PARITY_CONFIG = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}
 EPOCH_ROWS, EPOCH_GAS = 80, 4
 
 
-def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = False, epoch: bool = False) -> Any:
+def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = False, epoch: bool = False,
+                   **extra: Any) -> Any:
     """``batch_mean_loss``: the model is not handed the accumulated token count, so each micro-batch's loss is
     its own mean and the Trainer's rule divides it by the accumulation steps (the engine does, here).
     ``epoch``: one epoch of ``EPOCH_ROWS`` rows whose last window is shorter."""
@@ -145,7 +149,7 @@ def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = Fa
     if epoch:
         data = torch.utils.data.Subset(data, range(EPOCH_ROWS))
     args = training_args(out, bf16=False, warmup_steps=1, weight_decay=0.1, lr_scheduler_type="linear",
-                         save_strategy="no", train_sampling_strategy="sequential", **length, **batch)
+                         save_strategy="no", train_sampling_strategy="sequential", **length, **batch, **extra)
     if zeropp:
         trainer = ZeroppTrainer(model=tiny_gpt2(seed=2), args=args, train_dataset=data,
                                 zeropp_config=copy.deepcopy(PARITY_CONFIG))

@@ -58,8 +58,6 @@ _UNSUPPORTED_ARGUMENTS = (
     ("deepspeed", "ZeroppTrainer takes the place of DeepSpeed; pass the DeepSpeed-style config as "
                   "ZeroppTrainer(zeropp_config=...) and leave TrainingArguments.deepspeed unset"),
     ("fsdp", "FSDP and zeropp both shard the model; use one (zeropp's ZeRO-3 is the same partitioning)"),
-    ("torch_compile", "a compiled model is not supported by zeropp yet (its stage-3 hooks gather weights per "
-                      "module in eager mode)"),
     ("parallelism_config", "zeropp partitions over data-parallel ranks only (no tensor, context or sequence "
                            "parallelism)"),
     ("auto_find_batch_size", "not supported yet (the engine's batch size is fixed when it is built)"),
@@ -156,6 +154,9 @@ class ZeroppTrainer(transformers.Trainer):
                                      ">= 1 (engine checkpoints of stage 0 are not supported yet); or set "
                                      "save_only_model=True or save_strategy='no'")
         engine, *_ = initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+        if self.args.torch_compile:  # the engine compiles per block (Note [compiled regions]), not accelerate
+            mode = self.args.torch_compile_mode
+            engine.compile(self.args.torch_compile_backend or "inductor", {"mode": mode} if mode else {})
         self.engine, self._engine_steps = engine, max_steps
         self._engine_module = EngineModule(engine)
         self.model_wrapped = self._engine_module
