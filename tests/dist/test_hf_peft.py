@@ -2,7 +2,9 @@
 built from a config, LoRA on the attention's q and v projections. Plain stage 3 in fp32 matches the plain
 Trainer (no zeropp) step by step; ZeRO++ with the frozen base kept int8 (``zero_quantized_nontrainable_weights``)
 stays within 2% of it over 10 steps; in both, ``save_model`` writes the adapter, which loads in this plain
-process with ``PeftModel.from_pretrained`` to the logits of the engine's own ``consolidated_state_dict()``."""
+process with ``PeftModel.from_pretrained`` to the logits of the engine's own ``consolidated_state_dict()``.
+TRL's ``SFTTrainer`` with ``ZeroppTrainer`` mixed in (the documented one-line change) trains a tiny Llama on
+text lines with a character tokenizer built here, as TRL's own ``SFTTrainer`` does in one process."""
 from __future__ import annotations
 
 import copy
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("peft")
+pytest.importorskip("trl")
 
 from support.world import run_world  # noqa: E402
 
@@ -48,6 +51,49 @@ def arguments(out: str, rows: int, bf16: bool = False) -> object:
                              train_sampling_strategy="sequential", bf16=bf16)
 
 
+def char_tokenizer() -> object:
+    """Printable ASCII, one token a character (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{chr(i): i - 29 for i in range(32, 127)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def text_lines() -> object:
+    import datasets
+
+    from zeropp.demo.data import load_corpus
+    lines = [line for line in load_corpus().decode("utf-8", "replace").splitlines() if len(line) > 20][:64]
+    return datasets.Dataset.from_dict({"text": lines})
+
+
+def sft_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        pad_token_id=0, eos_token_id=1, bos_token_id=1))
+
+
+def sft(out: str, rows: int, zeropp: bool) -> list[tuple[float, float]]:
+    from trl import SFTConfig, SFTTrainer
+
+    from zeropp.hf import ZeroppTrainer
+
+    class ZeroppSFTTrainer(ZeroppTrainer, SFTTrainer):  # the one line a TRL recipe changes (docs/hf.md)
+        pass
+
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=rows, max_steps=3, learning_rate=1e-3,
+                     logging_steps=1, save_strategy="no", use_cpu=True, report_to=[], disable_tqdm=True,
+                     max_length=48, train_sampling_strategy="sequential", bf16=False, seed=0)
+    kw = dict(model=sft_llama(), args=args, train_dataset=text_lines(), processing_class=char_tokenizer())
+    trainer = ZeroppSFTTrainer(**kw, zeropp_config=copy.deepcopy(PLAIN)) if zeropp else SFTTrainer(**kw)
+    trainer.train()
+    return history(trainer)
+
+
 def history(trainer: object) -> list[tuple[float, float]]:
     return [(h["loss"], float(h["grad_norm"])) for h in trainer.state.log_history if "loss" in h]  # type: ignore
 
@@ -68,6 +114,7 @@ def run(rank: int, world: int, root: str) -> dict:
                      "frozen_int8": trainer.engine.model_state_bytes().get("frozen_quantized", 0),
                      "trained": sum(p.numel() for group in trainer.engine.optimizer.param_groups
                                     for p in group["params"])}
+    out["sft"] = sft(os.path.join(root, "sft"), MICRO, zeropp=True)
     return out
 
 
@@ -134,3 +181,13 @@ def test_the_saved_adapter_loads_in_a_plain_process_to_the_engines_logits(world:
     assert sorted(os.listdir(run_["adapter"]))[:2] == ["README.md", "adapter_config.json"]
     want, got = adapter_logits(run_["state"], run_["adapter"])
     assert torch.equal(want, got)
+
+
+def test_trls_sft_trainer_with_zeropp_mixed_in_matches_trls_own(world: list,
+                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    want = sft(str(tmp_path_factory.mktemp("sft_reference")), MICRO * RANKS, zeropp=False)
+    got = world[0]["sft"]
+    assert len(got) == len(want) == 3
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
+        assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"
