@@ -3,8 +3,9 @@ built from a config, LoRA on the attention's q and v projections. Plain stage 3 
 Trainer (no zeropp) step by step; ZeRO++ with the frozen base kept int8 (``zero_quantized_nontrainable_weights``)
 stays within 2% of it over 10 steps; in both, ``save_model`` writes the adapter, which loads in this plain
 process with ``PeftModel.from_pretrained`` to the logits of the engine's own ``consolidated_state_dict()``.
-TRL's ``SFTTrainer`` with ``ZeroppTrainer`` mixed in (the documented one-line change) trains a tiny Llama on
-text lines with a character tokenizer built here, as TRL's own ``SFTTrainer`` does in one process."""
+TRL's ``SFTTrainer`` and ``DPOTrainer`` with ``ZeroppTrainer`` mixed in (the documented one-line change) train a
+tiny Llama on text lines and preference pairs with a character tokenizer built here, as TRL's own trainers do
+in one process; DPO's reference model is partitioned too."""
 from __future__ import annotations
 
 import copy
@@ -94,6 +95,40 @@ def sft(out: str, rows: int, zeropp: bool) -> list[tuple[float, float]]:
     return history(trainer)
 
 
+def preferences() -> object:
+    import datasets
+    rows = {"prompt": ["To be or", "Fair is foul", "Double double", "The quality of"] * 8,
+            "chosen": [" not to be", " and foul is fair", " toil and trouble", " mercy is not strained"] * 8,
+            "rejected": [" a cat", " and so on", " rain", " soup"] * 8}
+    return datasets.Dataset.from_dict(rows)
+
+
+def dpo(out: str, rows: int, zeropp: bool) -> dict:
+    """TRL's DPOTrainer, the reference model given (TRL would load one by name); with zeropp mixed in, stage 3
+    partitions the reference too."""
+    from trl import DPOConfig, DPOTrainer
+
+    from zeropp.hf import ZeroppTrainer
+
+    class ZeroppDPOTrainer(ZeroppTrainer, DPOTrainer):
+        pass
+
+    args = DPOConfig(output_dir=out, per_device_train_batch_size=rows, max_steps=3, learning_rate=1e-3,
+                     logging_steps=1, save_strategy="no", use_cpu=True, report_to=[], disable_tqdm=True,
+                     max_length=48, train_sampling_strategy="sequential", bf16=False, seed=0)
+    kw = dict(model=sft_llama(), ref_model=sft_llama(), args=args, train_dataset=preferences(),
+              processing_class=char_tokenizer())
+    trainer = ZeroppDPOTrainer(**kw, zeropp_config=copy.deepcopy(PLAIN)) if zeropp else DPOTrainer(**kw)
+    trainer.train()
+    ref = trainer.ref_model
+    out = {"history": history(trainer), "ref_bytes_between_passes": sum(p.untyped_storage().nbytes()
+                                                                          for p in ref.parameters())}
+    if zeropp:
+        out["ref_master_bytes"] = ref.model_state_bytes()["master_fp32"]
+        out["ref_full_bytes"] = sum(p.numel() * 4 for p in ref.parameters())
+    return out
+
+
 def history(trainer: object) -> list[tuple[float, float]]:
     return [(h["loss"], float(h["grad_norm"])) for h in trainer.state.log_history if "loss" in h]  # type: ignore
 
@@ -115,6 +150,7 @@ def run(rank: int, world: int, root: str) -> dict:
                      "trained": sum(p.numel() for group in trainer.engine.optimizer.param_groups
                                     for p in group["params"])}
     out["sft"] = sft(os.path.join(root, "sft"), MICRO, zeropp=True)
+    out["dpo"] = dpo(os.path.join(root, "dpo"), MICRO, zeropp=True)
     return out
 
 
@@ -191,3 +227,17 @@ def test_trls_sft_trainer_with_zeropp_mixed_in_matches_trls_own(world: list,
     for step, (g, w) in enumerate(zip(got, want)):
         assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
         assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"
+
+
+def test_trls_dpo_trainer_partitions_the_reference_and_matches_trls_own(world: list,
+                                                                       tmp_path_factory: pytest.TempPathFactory
+                                                                       ) -> None:
+    want = dpo(str(tmp_path_factory.mktemp("dpo_reference")), MICRO * RANKS, zeropp=False)["history"]
+    for res in world:
+        got = res["dpo"]
+        assert got["ref_bytes_between_passes"] == 0  # the reference model is released between its forwards
+        assert got["ref_master_bytes"] <= got["ref_full_bytes"] / RANKS + 4096  # each rank holds a quarter
+        assert len(got["history"]) == len(want) == 3
+        for step, (g, w) in enumerate(zip(got["history"], want)):
+            assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
+            assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"

@@ -115,7 +115,10 @@ class ZeroppTrainer(transformers.Trainer):
         self.engine: Optional[CheckpointingEngine] = None
         self._engine_module: Optional[EngineModule] = None
         self._engine_steps: Optional[int] = None
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if trainer_args:  # the Trainer's positional order
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        else:  # by name: a subclass mixed in after this one may order its arguments otherwise (DPO's ref_model)
+            super().__init__(model=model, args=args, **trainer_kwargs)
         problems = unsupported_arguments(self.args) if args is None else []
         if self.args.n_gpu > 1:
             problems.append("n_gpu: several GPUs in one process (DataParallel); launch one process per device "
@@ -154,6 +157,7 @@ class ZeroppTrainer(transformers.Trainer):
                                      ">= 1 (engine checkpoints of stage 0 are not supported yet); or set "
                                      "save_only_model=True or save_strategy='no'")
         engine, *_ = initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+        self._partition_reference(cfg)
         if self.args.torch_compile:  # the engine compiles per block (Note [compiled regions]), not accelerate
             mode = self.args.torch_compile_mode
             engine.compile(self.args.torch_compile_backend or "inductor", {"mode": mode} if mode else {})
@@ -201,6 +205,17 @@ class ZeroppTrainer(transformers.Trainer):
         return build
 
     # ---- the training loop's seam --------------------------------------------------------------------------
+    def _partition_reference(self, cfg: Any) -> None:
+        """Stage 3: a frozen reference model the trainer holds (TRL's DPO ``ref_model``) becomes an engine of its
+        own with nothing to train, so its weights are partitioned like the policy's (int8 with
+        ``zero_quantized_nontrainable_weights``) and gathered unit by unit for its forwards, never whole."""
+        ref = getattr(self, "ref_model", None)
+        if not isinstance(ref, nn.Module) or isinstance(ref, ZeroEngine) or cfg.zero_optimization.stage != 3:
+            return
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        self.ref_model, *_ = initialize(model=ref, config=cfg)
+
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Optional[str]
                               ) -> tuple[nn.Module, Any]:
         """Build the engine (first ``train()``) and restore its checkpoint when resuming; the model the loop
