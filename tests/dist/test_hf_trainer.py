@@ -155,6 +155,15 @@ def test_evaluation_during_training_leaves_the_training_steps_as_they_were(world
         assert evals[-1][1] < evals[0][1]  # the model it evaluated was the one training
 
 
+def test_load_best_model_at_end_restores_the_best_checkpoints_weights(world: list[dict]) -> None:
+    for r in world:
+        path, metric, after = r["best"]
+        evals = dict(r["with_eval_evals"])
+        assert path.endswith("checkpoint-2") and metric == evals[2] == max(evals.values())
+        assert after == metric  # evaluated again on the loaded weights: the step-2 model, not the last one
+        assert evals[6] != metric
+
+
 def test_a_trainer_checkpoint_resumes_the_run_exactly(world: list[dict]) -> None:
     r = world[0]
     ckpt = Path(r["checkpoint"])

@@ -103,13 +103,17 @@ def run(rank: int, world: int, root: str) -> dict:
     resumed.train(resume_from_checkpoint=result["checkpoint"])
     result["resumed_losses"] = _losses(resumed)
     # evaluation during training (eval_strategy) through the engine: the training steps must not see it
+    # with load_best_model_at_end, "best" being the highest eval loss: the first checkpoint's weights come back
     evaluating = ZeroppTrainer(model=tiny_gpt2(seed=0), args=training_args(
-        os.path.join(root, "out3"), save_strategy="no", eval_strategy="steps", eval_steps=2),
+        os.path.join(root, "out3"), save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True),
         train_dataset=data, eval_dataset=eval_rows, zeropp_config=copy.deepcopy(CONFIG))
     evaluating.train()
     result["with_eval_losses"] = _losses(evaluating)
     result["with_eval_evals"] = [(h["step"], h["eval_loss"]) for h in evaluating.state.log_history
                                  if "eval_loss" in h]
+    result["best"] = (evaluating.state.best_model_checkpoint, evaluating.state.best_metric,
+                      evaluating.evaluate(eval_rows)["eval_loss"])
     result["parity"] = _history(parity_trainer(os.path.join(root, "parity"), data, zeropp=True))
     result["parity_batch_mean"] = _history(parity_trainer(os.path.join(root, "parity2"), data, zeropp=True,
                                                           batch_mean_loss=True))

@@ -61,7 +61,6 @@ _UNSUPPORTED_ARGUMENTS = (
     ("parallelism_config", "zeropp partitions over data-parallel ranks only (no tensor, context or sequence "
                            "parallelism)"),
     ("auto_find_batch_size", "not supported yet (the engine's batch size is fixed when it is built)"),
-    ("load_best_model_at_end", "not supported yet with zeropp"),
     ("push_to_hub", "not supported yet with zeropp (save with save_model and upload the directory)"),
     ("save_on_each_node", "not supported yet (zeropp checkpoints assume storage every rank can read)"),
 )
@@ -234,6 +233,15 @@ class ZeroppTrainer(transformers.Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self._engine_module, train_dataloader
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights from its engine checkpoint (collective); the
+        optimizer, schedule and counters stay those of the run's end, as when DeepSpeed loads it."""
+        engine = self._require_engine("_load_best_model")
+        path, _ = engine.load_checkpoint(self.state.best_model_checkpoint, load_module_only=True)
+        if path is None:
+            raise ZeroppTrainerError(f"ZeroppTrainer: the best checkpoint {self.state.best_model_checkpoint} holds no "
+                                     "zeropp engine checkpoint (saved with save_only_model?)")
 
     def _resume_engine(self, checkpoint: str) -> None:
         """Weights, optimizer state, scheduler and counters from the checkpoint's engine tag; the Trainer
