@@ -260,3 +260,101 @@ def test_a_shaped_link_times_every_pattern_at_the_streaming_efficiency() -> None
     times = [step_time(MODEL, Choice(3, qgz_bits=4), shaped(e), ONE_BUCKET).step_s
              for e in (effs, {**effs, "all_gather": 0.5})]
     assert times[1] > times[0]
+
+
+# ---- presets: --gpu and --fabric -------------------------------------------------------------------------
+def plan_hardware(*argv: str):
+    """The Hardware ``zeropp plan`` would time, from its command line (the same parser and resolution)."""
+    import argparse
+
+    from zeropp.plan.cli import _hardware, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return _hardware(parser.parse_args(list(argv)))
+
+
+def test_a_gpu_and_a_fabric_preset_fill_the_hardware() -> None:
+    from zeropp.plan import GPU_DEFAULTS
+
+    hw = plan_hardware("--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100", "--fabric", "ib-ndr")
+    assert hw.flops == pytest.approx(0.45 * 989.4e12)  # 45% of the dense bf16 peak
+    assert hw.memory_bytes == 80 * 2**30
+    assert hw.intra_bytes_per_s == pytest.approx(3600e9 / 8)  # NVLink 4: 450 GB/s one direction
+    assert hw.inter_bytes_per_s == pytest.approx(8 * 400e9 / 8)  # one NDR port per GPU, 8 GPUs
+    assert hw.host_link_bytes_per_s == pytest.approx(400e9 / 8)  # PCIe gen5
+    assert hw.quantize_per_s[8] == pytest.approx(GPU_DEFAULTS["quantize_per_s"] * 3350 / 900)  # HBM3 vs a V100
+    assert hw.optimizer_per_s == pytest.approx(GPU_DEFAULTS["optimizer_per_s"] * 3350 / 900)
+    assert hw.offload_optimizer_per_s == GPU_DEFAULTS["offload_optimizer_per_s"]  # host Adam: not HBM-bound
+    assert "preset h100" in hw.source
+    pcie = plan_hardware("--nodes", "2", "--gpus-per-node", "4", "--gpu", "L40S", "--fabric", "eth-25g")
+    assert pcie.intra_bytes_per_s == pytest.approx(256e9 / 8) and pcie.inter_bytes_per_s == pytest.approx(25e9 / 8)
+    assert pcie.memory_bytes == 48 * 2**30 and pcie.flops == pytest.approx(0.45 * 362.05e12)
+
+
+def test_explicit_options_win_over_the_presets() -> None:
+    hw = plan_hardware("--nodes", "4", "--gpus-per-node", "8", "--gpu", "a100-80gb", "--fabric", "ib-hdr",
+                       "--gpu-tflops", "120", "--memory-gib", "76", "--intra-node-gbps", "1000",
+                       "--inter-node-gbps", "50")
+    assert hw.flops == 120e12 and hw.memory_bytes == 76 * 2**30
+    assert hw.intra_bytes_per_s == 1000e9 / 8 and hw.inter_bytes_per_s == 50e9 / 8
+    assert hw.quantize_per_s[4] == pytest.approx(250e9 * 2039 / 900)  # what was not given stays the preset's
+    assert hw.host_link_bytes_per_s == pytest.approx(200e9 / 8)
+
+
+def test_the_docs_preset_table_is_the_codes() -> None:
+    from zeropp.plan import GPUS
+
+    doc = (Path(__file__).parents[2] / "docs" / "plan.md").read_text()
+    rows = {cells[0].strip("` "): cells for line in doc.splitlines() if line.startswith("| `")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    for name, p in GPUS.items():
+        cells = rows[name]  # | name | part | peak | used | memory | GB/s | intra | host | source |
+        assert float(cells[3]) == pytest.approx(p.tflops, abs=0.05), name
+        assert float(cells[4]) == p.memory_gib and float(cells[6].split()[0]) == p.intra_gbps, name
+        assert float(cells[7].split()[0]) == p.host_link_gbps, name
+
+
+def test_gpu_with_a_measured_profile_keeps_the_measured_rates(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    gpu_profile, cpu_profile = tmp_path / "gpu.json", tmp_path / "cpu.json"
+    replace(sample_profile(), device="cuda", comm_uses_compute=False).save(str(gpu_profile))
+    sample_profile().save(str(cpu_profile))
+    hw = plan_hardware("--nodes", "2", "--gpus-per-node", "2", "--gpu", "h200", "--profile", str(gpu_profile))
+    assert hw.flops == sample_profile().step_flops and hw.optimizer_per_s == sample_profile().optimizer_per_s
+    assert hw.memory_bytes == 141 * 2**30 and hw.intra_bytes_per_s == pytest.approx(3600e9 / 8)
+    assert hw.host_link_bytes_per_s == pytest.approx(400e9 / 8) and "preset h200" in hw.source
+    with pytest.raises(PlanError, match="--gpu h200: the profile .*cpu.json measured CPU ranks"):
+        plan_hardware("--nodes", "2", "--gpus-per-node", "2", "--gpu", "h200", "--profile", str(cpu_profile))
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--gpu", "h1000"], "--gpu h1000: unknown accelerator; known: v100-16gb, v100-32gb, a100-40gb, a100-80gb, h100"),
+    (["--gpu", "h100", "--fabric", "ib-xdr"], "--fabric ib-xdr: unknown fabric; known: ib-ndr, ib-ndr-x1, ib-hdr"),
+    (["--gpu", "h100"], "--inter-node-gbps: required without --profile (or --fabric NAME)"),
+    (["--gpu", "v100-32gb", "--fabric", "eth-10g", "--fp32"], "--fp32: --gpu v100-32gb's rate is for bf16/fp16"),
+])
+def test_bad_presets_name_the_option(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    base = plan_argv("18B", gpu_tflops="", memory_gib="", inter_node_gbps="", intra_node_gbps="")
+    assert cli.main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zeropp plan: ") and named in err, err
+
+
+def test_cli_with_gpu_and_fabric_prints_a_ranking_that_follows_the_fabric(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "7B", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100"]
+    assert cli.main(argv + ["--fabric", "eth-100g"]) == 0
+    text = capsys.readouterr().out
+    head = text.splitlines()[0]
+    assert "inter-node 100 Gbit/s" in head and "445 TFLOP/s and 80 GiB per rank" in head, head
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) >= 10 and rows[0][1].startswith("ZeRO-3 + ") and "qgZ" in rows[0][1], rows[:3]
+    assert rows[0][6] == "yes"  # fits in 80 GiB
+    slow = {r[1]: float(r[2]) for r in rows}
+    assert cli.main(argv + ["--fabric", "ib-ndr"]) == 0  # 8 x 400 Gbit/s per node: ZeRO++ gains much less
+    fast = {r[1]: float(r[2]) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and line[2].isdigit() for r in [line.split(" | ")]}
+    assert fast["ZeRO-3"] < slow["ZeRO-3"] / 5
+    assert slow["ZeRO-3"] / slow[rows[0][1]] > 3 > fast["ZeRO-3"] / fast[rows[0][1]]

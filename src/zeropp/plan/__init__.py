@@ -19,6 +19,7 @@ _WHERE = {
     "ModelSpec": "model", "UnitSpec": "model", "demo_gpt": "model", "from_hf_config": "model",
     "from_module": "model", "gpt_of_size": "model", "transformer": "model",
     "PlanError": "profile", "Profile": "profile", "load_profile": "profile",
+    "FABRICS": "presets", "GPUS": "presets", "fabric_preset": "presets", "gpu_preset": "presets",
     "Row": "ranking", "best_config": "ranking", "evaluate": "ranking", "rank": "ranking",
     "StepTime": "schedule", "Workload": "schedule", "step_time": "schedule",
 }

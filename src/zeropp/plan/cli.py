@@ -17,6 +17,8 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from zeropp.plan.presets import ACHIEVED_FRACTION, GPUS, fabric_help  # pure Python: --help stays quick
+
     p.add_argument("--calibrate", action="store_true", help="measure compute, quantizer, host work and links; "
                    "write a profile (--out)")
     p.add_argument("--out", default="plan_profile.json", help="profile written by --calibrate "
@@ -32,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", default=None, help="the model size when --model is a DeepSpeed config")
     p.add_argument("--nodes", type=int, default=None, help="nodes in the cluster")
     p.add_argument("--gpus-per-node", type=int, default=None, help="ranks (GPUs) per node")
+    p.add_argument("--gpu", default=None, metavar="NAME", help="accelerator preset: " + ", ".join(GPUS) + "; fills "
+                   f"--gpu-tflops ({ACHIEVED_FRACTION * 100:.0f}%% of the dense 16-bit peak), --memory-gib, "
+                   "--intra-node-gbps, the host link and the memory-bound kernel rates (an explicit option wins; "
+                   "with --profile the measured rates win; see docs/plan.md)")
+    p.add_argument("--fabric", default=None, metavar="NAME", help="inter-node preset (Gbit/s of a port, one port "
+                   "per GPU or per node): " + fabric_help() + "; fills --inter-node-gbps (an explicit one wins)")
     p.add_argument("--inter-node-gbps", type=float, default=None, help="each node's link to the others, Gbit/s")
     p.add_argument("--intra-node-gbps", type=float, default=None, help="each GPU's link inside a node, Gbit/s "
                    "(NVLink/NVSwitch: thousands)")
@@ -114,25 +122,70 @@ def _model(args: argparse.Namespace) -> tuple[Any, Optional[dict[str, Any]]]:
     return model, base
 
 
-def _hardware(args: argparse.Namespace) -> Any:
-    from zeropp.plan.hardware import from_profile, gpu_cluster
+def _resolved(args: argparse.Namespace, gpus_per_node: int) -> tuple[Any, dict[str, Optional[float]]]:
+    """The ``--gpu`` preset (None without one) and the hardware options, each the explicit option if given, else
+    the ``--gpu`` / ``--fabric`` preset's value, else None."""
+    from zeropp.plan.presets import fabric_preset, gpu_preset
+
+    gpu = gpu_preset(args.gpu) if args.gpu else None
+    fabric = fabric_preset(args.fabric) if args.fabric else None  # a bad name errors even when overridden
+
+    def pick(given: Optional[float], preset: Optional[float]) -> Optional[float]:
+        return given if given is not None else preset
+
+    return gpu, {
+        "--gpu-tflops": pick(args.gpu_tflops, gpu.tflops if gpu else None),
+        "--inter-node-gbps": pick(args.inter_node_gbps, fabric.node_gbps(gpus_per_node) if fabric else None),
+        "--intra-node-gbps": pick(args.intra_node_gbps, gpu.intra_gbps if gpu else None),
+        "--memory-gib": pick(args.memory_gib, gpu.memory_gib if gpu else None)}
+
+
+def _profiled(args: argparse.Namespace, gpu: Any, nodes: int, gpn: int, v: dict[str, Optional[float]]) -> Any:
+    """Hardware from a measured profile: measured rates win over a ``--gpu`` preset, which then fills only what a
+    profile does not record (memory, the intra-node and host links); an explicit option still wins over both."""
+    from dataclasses import replace
+
+    from zeropp.plan.hardware import from_profile
     from zeropp.plan.profile import load_profile
+
+    profile = load_profile(args.profile)
+    if gpu is not None and profile.device == "cpu":
+        raise PlanError(f"--gpu {args.gpu}: the profile {args.profile} measured CPU ranks, which a GPU preset does "
+                        "not describe; drop --gpu (give --memory-gib) or calibrate on the GPUs")
+    hw = from_profile(profile, nodes, gpn, v["--memory-gib"], v["--inter-node-gbps"], None, args.gpu_tflops,
+                      v["--intra-node-gbps"])
+    if gpu is None:
+        return hw
+    return replace(hw, host_link_bytes_per_s=gpu.host_link_gbps * 1e9 / 8,
+                   source=f"{hw.source}; memory and links of preset {gpu.name}")
+
+
+def _hardware(args: argparse.Namespace) -> Any:
+    from zeropp.plan.hardware import gpu_cluster
 
     nodes = _int_option(args.nodes, "--nodes", 0) if args.nodes is not None else None
     gpn = _int_option(args.gpus_per_node, "--gpus-per-node", 0) if args.gpus_per_node is not None else None
     if nodes is None or gpn is None:
         raise PlanError(("--nodes" if nodes is None else "--gpus-per-node") + ": required")
-    if args.memory_gib is None:
-        raise PlanError("--memory-gib: required (accelerator memory per rank)")
+    gpu, v = _resolved(args, gpn)
+    if v["--memory-gib"] is None:
+        raise PlanError("--memory-gib: required (accelerator memory per rank), or --gpu NAME")
     if args.profile:
-        profile = load_profile(args.profile)
-        return from_profile(profile, nodes, gpn, args.memory_gib, args.inter_node_gbps, None, args.gpu_tflops,
-                            args.intra_node_gbps)
-    for name, value in (("--inter-node-gbps", args.inter_node_gbps), ("--intra-node-gbps", args.intra_node_gbps),
-                        ("--gpu-tflops", args.gpu_tflops)):
+        return _profiled(args, gpu, nodes, gpn, v)
+    if gpu is not None and args.fp32 and args.gpu_tflops is None:
+        # the presets' rate is the 16-bit tensor-core one; fp32 runs at a fraction that differs by part
+        raise PlanError(f"--fp32: --gpu {args.gpu}'s rate is for bf16/fp16 matmuls; give --gpu-tflops for fp32")
+    for name, value in v.items():
         if value is None:
-            raise PlanError(f"{name}: required without --profile")
-    return gpu_cluster(nodes, gpn, args.gpu_tflops, args.inter_node_gbps, args.intra_node_gbps, args.memory_gib)
+            hint = " (or --fabric NAME)" if name == "--inter-node-gbps" else " (or --gpu NAME)"
+            raise PlanError(f"{name}: required without --profile" + hint)
+    if gpu is None:
+        return gpu_cluster(nodes, gpn, v["--gpu-tflops"], v["--inter-node-gbps"], v["--intra-node-gbps"],
+                           v["--memory-gib"])
+    return gpu_cluster(nodes, gpn, v["--gpu-tflops"], v["--inter-node-gbps"], v["--intra-node-gbps"],
+                       v["--memory-gib"], gpu.host_link_gbps, gpu.kernel_rates(),
+                       f"preset {gpu.name} ({gpu.part}; memory-bound kernels x{gpu.kernel_scale:.2f} GPU_DEFAULTS, "
+                       f"PCIe gen{gpu.pcie_gen} host link)")
 
 
 def _gib(n: float) -> str:
@@ -149,6 +202,18 @@ def table(rows: list[Any], top: int = 0) -> str:
     return "\n".join(lines)
 
 
+def _link(args: argparse.Namespace, hw: Any) -> str:
+    """The inter-node link as the plan times it, with the --fabric preset's assumption when that set it."""
+    if not hw.inter_bytes_per_s:
+        return "as profiled"
+    link = f"{hw.inter_bytes_per_s * 8 / 1e9:g} Gbit/s"
+    if args.fabric and args.inter_node_gbps is None:
+        from zeropp.plan.presets import fabric_preset
+
+        link += f" ({fabric_preset(args.fabric).assumes})"
+    return link
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from zeropp.plan.choices import candidates
     from zeropp.plan.ranking import best_config, rank
@@ -158,11 +223,11 @@ def run_plan(args: argparse.Namespace) -> int:
     work = _workload(args, model, base)
     choices = candidates(hw.ranks_per_node, hw.world, all_bits=args.all_bits, offload=not args.no_offload)
     rows = rank(model, hw, work, choices)
-    link = f"{args.inter_node_gbps:g} Gbit/s" if args.inter_node_gbps else "as profiled"
     print(f"zeropp plan: {model.name} ({model.params / 1e9:.3g}B parameters, {len(model.units)} units) on "
-          f"{hw.nodes} nodes x {hw.ranks_per_node} ranks; inter-node {link}; {hw.flops / 1e12:.3g} TFLOP/s and "
-          f"{args.memory_gib:g} GiB per rank; micro-batch {work.micro_batch} x {work.seq_len} tokens, "
-          f"{work.grad_accum} micro-step(s), {'bf16' if work.bf16 else 'fp32'}; speeds: {hw.source}\n")
+          f"{hw.nodes} nodes x {hw.ranks_per_node} ranks; inter-node {_link(args, hw)}; {hw.flops / 1e12:.3g} "
+          f"TFLOP/s and {hw.memory_bytes / 2**30:g} GiB per rank; micro-batch {work.micro_batch} x "
+          f"{work.seq_len} tokens, {work.grad_accum} micro-step(s), {'bf16' if work.bf16 else 'fp32'}; "
+          f"speeds: {hw.source}\n")
     print(table(rows, args.top))
     best = best_config(rows, work, hw.ranks_per_node, model, hw.world, base)
     if best is None:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Mapping, Optional
 
 from zeropp.plan.profile import Fit, PlanError, Profile
 
 #: Assumptions for an accelerator cluster when no profile measured them (per GPU unless said otherwise). The
 #: quantizer, reductions and copies are memory-bound kernels, rated here for ~900 GB/s of HBM (a V100; an A100 or
-#: H100 is 2-4x faster): quantizing reads 2 bytes and writes 0.5-1 per element; the optimizer is a fused Adam
-#: moving ~28 bytes per element; host Adam is DeepSpeed's CPU Adam order of magnitude with the node's cores shared
-#: by its ranks.
+#: H100 is 2-4x faster, and a ``--gpu`` preset scales them by its HBM bandwidth, ``presets.py``): quantizing reads
+#: 2 bytes and writes 0.5-1 per element; the optimizer is a fused Adam moving ~28 bytes per element; host Adam is
+#: DeepSpeed's CPU Adam order of magnitude with the node's cores shared by its ranks.
 GPU_DEFAULTS = {
     "quantize_per_s": 250e9,  # elements/s
     "dequantize_per_s": 250e9,
@@ -67,14 +67,17 @@ class Hardware:
 
 
 def gpu_cluster(nodes: int, gpus_per_node: int, gpu_tflops: float, inter_gbps: float, intra_gbps: float,
-                memory_gib: float, host_link_gbps: Optional[float] = None) -> Hardware:
-    """An accelerator cluster from its nominal numbers (``GPU_DEFAULTS`` for the rest)."""
+                memory_gib: float, host_link_gbps: Optional[float] = None,
+                rates: Optional[Mapping[str, float]] = None, source: str = "command line") -> Hardware:
+    """An accelerator cluster from its nominal numbers (``GPU_DEFAULTS`` for the rest). ``rates`` replaces
+    ``GPU_DEFAULTS`` entries (a ``--gpu`` preset's memory-bound rates, ``presets.py``); ``source`` names where the
+    numbers came from (printed with the plan)."""
     for name, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--gpu-tflops", gpu_tflops),
                         ("--inter-node-gbps", inter_gbps), ("--intra-node-gbps", intra_gbps),
                         ("--memory-gib", memory_gib)):
         if value is None or not value > 0:
             raise PlanError(f"{name}: must be a positive number, got {value}")
-    d = GPU_DEFAULTS
+    d = {**GPU_DEFAULTS, **(rates or {})}
     return Hardware(
         nodes=nodes, ranks_per_node=gpus_per_node, flops=gpu_tflops * 1e12, memory_bytes=memory_gib * 2**30,
         inter_bytes_per_s=inter_gbps * 1e9 / 8, intra_bytes_per_s=intra_gbps * 1e9 / 8,
@@ -84,7 +87,7 @@ def gpu_cluster(nodes: int, gpus_per_node: int, gpu_tflops: float, inter_gbps: f
         qgz_sum_per_s={8: d["dequantize_per_s"], 4: d["dequantize_per_s"]},
         optimizer_per_s=d["optimizer_per_s"], offload_optimizer_per_s=d["offload_optimizer_per_s"],
         reduce_sum_per_s=d["reduce_sum_per_s"], copy_bytes_per_s=d["copy_bytes_per_s"],
-        host_link_bytes_per_s=(host_link_gbps or d["host_link_gbps"]) * 1e9 / 8)
+        host_link_bytes_per_s=(host_link_gbps or d["host_link_gbps"]) * 1e9 / 8, source=source)
 
 
 def streaming_efficiency(fits: dict[str, Fit]) -> dict[str, float]:
