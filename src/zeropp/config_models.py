@@ -296,8 +296,8 @@ class ZeroConfig(Section):
                                        "(1 = off; usually ranks per node).")
     zero_quantized_gradients: bool = F(False, doc="qgZ: quantized 2-hop all-to-all gradient reduction.")
     zero_quantized_gradients_bits: DSInt = F(4, doc="zeropp extension: qgZ bits per gradient, 2, 4 or 8 (2 "
-                                             "with `zeropp_loco_param` to converge; 1 is refused: symmetric "
-                                             "block quantization has no 1-bit code).")
+                                             "in small blocks, e.g. 64; 1 is refused: symmetric block "
+                                             "quantization has no 1-bit code).")
     quantization_block_size: DSInt = F(2048, doc="zeropp extension: elements per quantization block "
                                        "(even, >= 2).")
     gather_granularity: Literal["block", "module"] = F(

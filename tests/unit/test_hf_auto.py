@@ -143,7 +143,6 @@ def test_an_older_spelling_cannot_slip_a_precision_past_the_arguments(args: Trai
 @pytest.mark.parametrize("setting, name", [
     ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "deepspeed"),
     ({"fsdp": "full_shard"}, "fsdp"),
-    ({"torch_compile": True}, "torch_compile"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size"),
     ({"save_on_each_node": True}, "save_on_each_node"),
 ])
