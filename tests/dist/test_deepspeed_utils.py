@@ -5,6 +5,7 @@ each rank's local parts; leaf modules marked by class, by name and by config."""
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -150,6 +151,9 @@ def ds_views(rank: int) -> dict:
                tensor_after=torch.equal(p.ds_tensor, safe_get_full_fp32_param(p).reshape(-1)[rank * 8:(rank + 1) * 8]),
                persist_after=p.ds_persist, head_persist=model.head.weight.ds_persist,
                head_after=model.head.weight.ds_status)
+    engine.empty_partition_cache()  # DeepSpeed's: the persistent head is freed too, and gathered at its next use
+    out["head_emptied"] = model.head.weight.ds_status
+    out["after_empty"] = float(engine(torch.ones(2, 4)))
     try:
         p.ds_status = ZeroParamStatus.AVAILABLE
     except NotImplementedError as err:
@@ -381,6 +385,7 @@ def test_parameter_attributes_are_views_of_the_partitioned_state():
         assert v["persist"] is False and v["peft_count"] == n
         assert v["persist_after"] is False and v["head_persist"] is True
         assert v["head_after"] is ZeroParamStatus.AVAILABLE  # kept gathered past the step, until its next use
+        assert v["head_emptied"] is ZeroParamStatus.NOT_AVAILABLE and math.isfinite(v["after_empty"])
         assert v["status"] is ZeroParamStatus.NOT_AVAILABLE and v["gathered"] is ZeroParamStatus.AVAILABLE
         assert v["after"] is ZeroParamStatus.NOT_AVAILABLE and v["in_forward"] == [ZeroParamStatus.AVAILABLE]
         assert len(set(v["ids"])) == len(v["ids"]) and v["engine_ids"] == list(range(len(v["engine_ids"])))

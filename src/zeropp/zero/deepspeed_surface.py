@@ -22,7 +22,7 @@ MISSING_ENGINE_API = frozenset({
     "get_mom", "get_pld_theta", "monitor", "flops_profiler", "curriculum_learning_enabled",
     "random_ltd_enabled", "compression_scheduler", "pipeline_parallelism", "eigenvalue_enabled",
     "sparse_gradients_enabled", "data_efficiency_enabled", "offload_states", "reload_states",
-    "empty_partition_cache", "no_sync", "set_data_post_process_func",
+    "no_sync", "set_data_post_process_func",
     "set_custom_curriculum_learning_schedule", "get_sequence_parallel_group", "module_state_dict",
     "load_module_state_dict", "get_data_types", "optimizer_name", "timers",
 })
@@ -150,6 +150,11 @@ class DeepSpeedSurface:
         if is_boundary is not None and not isinstance(is_boundary, bool):
             raise TypeError(f"set_gradient_accumulation_boundary: True, False or None, got {is_boundary!r}")
         self._boundary_override = is_boundary  # type: ignore[attr-defined]
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: free the weights still gathered between steps (persistent units); they are gathered again
+        at their next use."""
+        self.free_gathered()  # type: ignore[attr-defined]
 
     def destroy(self) -> None:
         """DeepSpeed's name for releasing the engine's resources (``close``)."""

@@ -848,6 +848,17 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             finally:
                 self._held_whole = False
 
+    def free_gathered(self) -> None:
+        """Free every gathered unit now, persistent ones included (the next use gathers them again); between
+        passes only. DeepSpeed's ``empty_partition_cache``."""
+        if self._backward_open or (self.use is not None and self.use._active) or self._held_whole:
+            raise RuntimeError("free_gathered (empty_partition_cache): call it between steps, not inside a forward, "
+                               "a backward or a GatheredParameters / held_whole block")
+        for unit in self.units:
+            if unit.state is UnitState.GATHERED:
+                self.gathered_weights.released(unit)
+                unit.release()
+
     def masters_changed(self) -> None:
         """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""
         self._publish_masters(Phase.OTHER, self.units)
