@@ -147,7 +147,7 @@ def ds_views(rank: int) -> dict:
     loss = engine(torch.ones(2, 4))
     engine.backward(loss)
     engine.step()
-    out.update(after=p.ds_status, in_forward=seen, engine_ids=sorted(q.ds_id for q in model.parameters()),
+    out.update(after=p.ds_status, in_forward=list(seen), engine_ids=sorted(q.ds_id for q in model.parameters()),
                tensor_after=torch.equal(p.ds_tensor, safe_get_full_fp32_param(p).reshape(-1)[rank * 8:(rank + 1) * 8]),
                persist_after=p.ds_persist, head_persist=model.head.weight.ds_persist,
                head_after=model.head.weight.ds_status)
