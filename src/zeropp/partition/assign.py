@@ -147,6 +147,12 @@ def block_names(model: nn.Module) -> list[str]:
     return out
 
 
+def outer_block_names(model: nn.Module) -> list[str]:
+    """The blocks not inside another block: the units of granularity "block" (nested lists stay in one)."""
+    blocks = block_names(model)
+    return [b for b in blocks if _enclosing_block(b, blocks) == b]
+
+
 def _enclosing_block(module_name: str, blocks: list[str]) -> str | None:
     inside = [b for b in blocks if module_name == b or module_name.startswith(b + ".")]
     return min(inside, key=len) if inside else None  # the outermost block: nested lists stay in one unit

@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from zeropp.partition.assign import outer_block_names
+
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, Optional[Callable[..., Any]]]:
     """``(the model, its compiled wrapper)`` for a model compiled whole, else ``(model, None)``."""
@@ -65,11 +67,8 @@ def compile_model(model: nn.Module, backend: Any = "inductor", kwargs: Optional[
     """
     from torch._dynamo.exc import InvalidBackend
 
-    from zeropp.partition.assign import block_names
-
     modules = dict(model.named_modules())
-    outer = [n for n in block_names(model) if not any(n.startswith(o + ".") for o in block_names(model) if o != n)]
-    targets = [modules[n] for n in outer] or [model]
+    targets = [modules[n] for n in outer_block_names(model)] or [model]
     try:
         for module in targets:
             module.compile(backend=backend, **(kwargs or {}))

@@ -429,8 +429,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
                 return
             # persistent, but its shard changed since: gather it afresh. Freed without on_release, so that no
             # hpZ slice is cut from the old weights under the new version.
-            self.gathered_weights.released(unit)
-            unit.release()
+            self._free(unit)
         order.append(unit)
         pending = self._inflight.pop(unit, None) or self._start_gather(unit, which)
         assert pending is not None
@@ -475,8 +474,12 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
     def _release(self, unit: Unit, which: Pass) -> None:
         if unit.state is UnitState.GATHERED and not self._held_whole and not self.kept.holds(unit):
             self._strategy(which).on_release(unit)
-            self.gathered_weights.released(unit)
-            unit.release()
+            self._free(unit)
+
+    def _free(self, unit: Unit) -> None:
+        """Drop a gathered unit's full weights (no strategy sees it: no hpZ slice is kept)."""
+        self.gathered_weights.released(unit)
+        unit.release()
 
     @_OUTSIDE_INFERENCE_MODE
     @unwatched
@@ -501,7 +504,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
             self._order[Pass.FORWARD] = []
             run = self.module if self._compiled_call is None else self._compiled_call
-            compiled = self._compiled_call is not None or compiled_regions.compiled_parts(self.module)
+            compiled = self.is_compiled
             learning = compiled and self.global_steps == 0  # Note [compiled regions]: the first step runs eagerly
             self._quiet = compiled and not learning
             with compiled_regions.force_eager() if learning else contextlib.nullcontext():
@@ -851,13 +854,12 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
     def free_gathered(self) -> None:
         """Free every gathered unit now, persistent ones included (the next use gathers them again); between
         passes only. DeepSpeed's ``empty_partition_cache``."""
-        if self._backward_open or (self.use is not None and self.use._active) or self._held_whole:
+        if self._backward_open or (self.use is not None and self.use.active) or self._held_whole:
             raise RuntimeError("free_gathered (empty_partition_cache): call it between steps, not inside a forward, "
                                "a backward or a GatheredParameters / held_whole block")
         for unit in self.units:
             if unit.state is UnitState.GATHERED:
-                self.gathered_weights.released(unit)
-                unit.release()
+                self._free(unit)
 
     def masters_changed(self) -> None:
         """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""

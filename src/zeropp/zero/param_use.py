@@ -173,6 +173,11 @@ class ParamUse:
         finally:
             self._active = False
 
+    @property
+    def active(self) -> bool:
+        """Whether a pass (``watching()`` or ``quiet()``) is running."""
+        return self._active
+
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
         """A pass of compiled code (Note [compiled regions] in ``compiled.py``): no mode and no saved-tensor

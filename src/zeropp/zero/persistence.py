@@ -55,7 +55,3 @@ class KeptUnits:
     def holds(self, unit: Unit) -> bool:
         """Whether ``unit`` is gathered from its current shard and stays so (its releases are skipped)."""
         return unit.state is UnitState.GATHERED and self._version.get(unit, -1) == unit.version
-
-    @property
-    def elements(self) -> int:
-        return sum(slot.spec.numel for u in self.units for slot in u.slots)
