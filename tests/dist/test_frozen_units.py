@@ -165,3 +165,38 @@ def test_requires_grad_changed_after_initialize_is_refused_at_every_stage(stage:
         engine.backward(engine(x).pow(2).mean())  # stage 3 refuses an unfrozen unit already in its forward
         engine.step()
     assert torch.equal(engine.consolidated_state_dict()["0.weight"], before)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_left_out_of_some_micro_steps_of_a_window_train_as_torch(stage: int) -> None:
+    """DeepSpeed's "unbalanced gradients": ``requires_grad`` turned off for some micro-steps of an accumulation
+    window, every parameter getting its gradient from the others. Each step equals torch's AdamW on the
+    window's accumulated gradients."""
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+    def toggle(model: torch.nn.Module, micro: int) -> None:
+        for j, p in enumerate(model.parameters()):
+            p.requires_grad_(j % 2 == micro % 2)
+
+    batches = [torch.randn(2, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    engine = zeropp.initialize(model=make(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}})[0]
+    ref = make()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for i, x in enumerate(batches):
+        toggle(engine.module, i)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        toggle(ref, i)
+        (ref(x).pow(2).mean() / 2).backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+        for model in (engine.module, ref):
+            model.requires_grad_(True)
+    got = engine.consolidated_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6)

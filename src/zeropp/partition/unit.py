@@ -290,25 +290,33 @@ class FrozenUnit(Unit):
         return self._split(self.grad_row())
 
 
-def check_requires_grad(units: Iterable[Unit]) -> None:
-    """Refuse, by name, parameters whose ``requires_grad`` changed since ``initialize``.
+def check_requires_grad(units: Iterable[Unit],
+                        got_grad: Optional[Callable[[Unit, int], bool]] = None) -> None:
+    """Refuse, by name, parameters whose ``requires_grad`` changed since ``initialize`` in a way the engine
+    cannot train as the user means.
 
-    The engine sized gradient rows and optimizer state by what required grad then. A parameter unfrozen
-    since would get no update (its gradient dropped); one frozen since would still be updated, from its
-    optimizer state (momentum, weight decay) with zero gradients, so "frozen" weights would keep moving.
-    Both would be silent, so both raise.
+    The engine sized gradient rows and optimizer state by what required grad then. A parameter unfrozen since
+    would get no update (its gradient dropped): refused at once. Turning ``requires_grad`` off for some
+    micro-steps of an accumulation window (DeepSpeed's "unbalanced gradients") is fine: the parameter simply
+    has no gradient from those micro-steps. But one that got no gradient in a whole window (``got_grad``, given
+    at the boundary) would still be updated from its optimizer state (momentum, weight decay), so a "frozen"
+    weight would keep moving: refused at that boundary.
     """
     unfrozen, frozen = [], []
     for unit in units:
-        for s in unit.slots:
-            if s.param.requires_grad != s.trainable:
-                (unfrozen if s.param.requires_grad else frozen).append(s.name)
+        for i, s in enumerate(unit.slots):
+            if s.param.requires_grad and not s.trainable:
+                unfrozen.append(s.name)
+            elif s.trainable and not s.param.requires_grad and got_grad is not None and not got_grad(unit, i):
+                frozen.append(s.name)
     if unfrozen:
         raise RuntimeError(f"parameters {unfrozen} were frozen (requires_grad=False) at zeropp.initialize and "
                            "require grad now; the engine keeps no gradient row and no optimizer state for them "
                            "(as DeepSpeed, it trains what required grad at initialize): set requires_grad "
                            "before initialize")
     if frozen:
-        raise RuntimeError(f"parameters {frozen} required grad at zeropp.initialize and are frozen now; the "
-                           "engine would go on updating them from their optimizer state (momentum, weight "
-                           "decay), so they would not stay frozen: set requires_grad before initialize")
+        raise RuntimeError(f"parameters {frozen} required grad at zeropp.initialize, are frozen now and got no "
+                           "gradient in this accumulation window; the engine would go on updating them from "
+                           "their optimizer state (momentum, weight decay), so they would not stay frozen: set "
+                           "requires_grad before initialize (leaving a parameter out of some micro-steps of a "
+                           "window is fine)")

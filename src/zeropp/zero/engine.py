@@ -227,6 +227,8 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._grads_missing: dict[Unit, int] = {}
         self._grads_seen: set[tuple[int, int]] = set()  # (unit, slot) whose gradient arrived this backward
+        self._staged: dict[Unit, list[tuple[int, torch.Tensor]]] = {}  # gradients of units not yet complete
+        self._window_seen: set[tuple[int, int]] = set()  # (unit, slot) with a gradient in this accumulation window
         self._held_whole = False  # every unit gathered and kept (held_whole): the hooks release nothing
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (DeepSpeed's)
         self._quiet = False  # this pass runs compiled code without watches (Note [compiled regions])
@@ -404,13 +406,40 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         def hook(param: nn.Parameter) -> None:
             grad, param.grad = param.grad, None
             self._grads_seen.add((unit.index, slot_index))
-            self.order.note(REDUCE, unit.index, slot_index)  # the add order decides what each bucket holds
-            self.buckets.add(unit, slot_index, grad)
+            self._window_seen.add((unit.index, slot_index))
             left = (self._grads_missing[unit] if unit in self._grads_missing else unit.needs_grad()) - 1
             self._grads_missing[unit] = left
+            staged = self._staged.setdefault(unit, [])
+            staged.append((slot_index, grad))
+            if left > 0:  # Note [partly used units]: bucketed once the unit's last gradient is in
+                return
+            for index, g in self._staged.pop(unit):
+                self._bucket(unit, index, g)
             if left == 0 and self.plan.shards_weights:
                 self._release(unit, Pass.BACKWARD)
         return hook
+
+    def _bucket(self, unit: Unit, slot_index: int, grad: torch.Tensor) -> None:
+        self.order.note(REDUCE, unit.index, slot_index)  # the add order decides what each bucket holds
+        self.buckets.add(unit, slot_index, grad)
+
+    def _bucket_partly_used(self) -> None:
+        """Note [partly used units]: a unit some of whose parameters got no gradient in this backward on this
+        rank (a rank that ran one of a leaf module's experts, one branch of a module) would hand the buckets
+        only what it used, in its own order, and the ranks' buckets would pair different parameters. So a
+        unit's gradients wait until all of them are in; those of a unit still waiting when backward ends go to
+        the buckets in slot order, zeros for the parameters it did not use, in unit order: the same adds on
+        every rank whose backward reached the same units. (A unit that some rank's backward never reached is
+        refused by the collective order check.)"""
+        for unit in sorted(self._staged, key=lambda u: u.index):
+            got = dict(self._staged[unit])
+            for index, slot in enumerate(unit.slots):
+                if slot.trainable:
+                    grad = got.get(index)
+                    if grad is None:
+                        grad = torch.zeros(slot.param.shape, dtype=self.policy.compute_dtype, device=unit.device)
+                    self._bucket(unit, index, grad)
+        self._staged = {}
 
     # ---- gather / release / prefetch ---------------------------------------------------------------------
     def _strategy(self, which: Pass) -> GatherStrategy:
@@ -546,6 +575,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             self._backward_open = True
             self._grads_missing = {}
             self._grads_seen = set()
+            self._staged = {}
             self._order[Pass.BACKWARD] = []
             watch = self._watch() if self.use is not None else contextlib.nullcontext()
             if self.use is not None and self._quiet:  # a compiled graph reads the weights it saved hook-free
@@ -559,6 +589,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
 
     @unwatched
     def _finish_backward(self) -> None:
+        self._bucket_partly_used()
         self.buckets.finish()
         if not self.policy.ignore_unused_parameters and self.plan.shards_optimizer and not self.plan.shards_weights:
             self._check_unused()
@@ -595,7 +626,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         for unit in self.units:
             for index, slot in enumerate(unit.slots):
                 p = slot.param
-                if not p.requires_grad:
+                if not slot.trainable:  # (one frozen for this micro-step only still has its window's gradient)
                     continue
                 grad = p.grad if p.grad is not None else torch.zeros(p.shape, dtype=self.policy.compute_dtype,
                                                                      device=unit.device)
@@ -611,13 +642,21 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             return self._boundary_override
         return (self.micro_steps + 1) % self.policy.gradient_accumulation_steps == 0
 
+    def _got_grad_in_window(self, unit: Unit, index: int) -> bool:
+        """Whether the parameter got a gradient in this accumulation window (by its hook at stages 2-3, in its
+        accumulated ``.grad`` at stages 0-1)."""
+        if self.plan.reduces_as_ready:
+            return (unit.index, index) in self._window_seen
+        return unit.slots[index].param.grad is not None
+
     @unwatched  # the engine's own work: no torch-function mode need see the optimizer's calls
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, step the optimizer on the master shards."""
         boundary = self.is_gradient_accumulation_boundary()
         scale_before = self.loss_scale
         with self.timer.span("optimizer"):  # all of this call's work is in a span: untracked is the caller's
-            check_requires_grad(self.units)  # frozen or unfrozen since initialize: refused, never ignored
+            # unfrozen since initialize: refused; frozen: refused at the boundary if it got no gradient in the window
+            check_requires_grad(self.units, self._got_grad_in_window if boundary else None)
             if self._backward_open:
                 with self.timer.span("backward"):
                     self._finish_backward()
@@ -635,6 +674,7 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             if delayed:
                 self.join_update()  # the previous step's update becomes the next forward's weights
             self._optimizer_step(background=delayed)
+            self._window_seen = set()
         self.global_steps += 1
         self.strategies.reduce.end_step(self.loss_scale / scale_before)
         self.ledger.close_step()
@@ -792,6 +832,17 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
                 self._copy_back(u)
         if not self.plan.shards_weights:
             self._gather_resident(phase)
+
+    def restart_counts(self) -> None:
+        """Count micro-steps and optimizer steps from 0 again, keeping the weights, the optimizer's state and
+        the schedule: a new run over the trained model (a Trainer's second ``train()``), whose checkpoints are
+        then tagged with its own step numbers. Only between steps, at an accumulation boundary."""
+        gas = self.policy.gradient_accumulation_steps
+        if self._backward_open or self.micro_steps % gas:
+            raise RuntimeError(f"restart_counts: inside an accumulation window ({self.micro_steps % gas} of {gas} "
+                               "micro-steps taken); call it after the window's step()")
+        self.join_update()  # a delayed update lands before the counters stop saying one is pending
+        self.micro_steps = self.global_steps = 0
 
     def join_update(self) -> None:
         """Wait for a delayed update still running and publish it; a no-op when none is pending.
