@@ -37,6 +37,8 @@ from pydantic_core import ErrorDetails
 from zeropp.config_auto import AutoValues, resolve_auto
 from zeropp.config_legacy import json_short, translate_legacy
 from zeropp.config_models import (
+    DSBool,
+    DataTypesConfig,
     DEEPSPEED_ONLY_OPTIMIZERS,
     DEEPSPEED_ONLY_SCHEDULERS,
     OPTIMIZER_TYPES,
@@ -145,25 +147,25 @@ class ZeroppConfig(Section):
     gradient_clipping: Number = F(0.0, ge=0, doc="Clip the global gradient norm to this; 0 = off.")
     steps_per_print: DSInt = F(10, ge=1, doc="With `wall_clock_breakdown`, print the time report every this "
                                "many optimizer steps.", status=STATUS_IMPLEMENTED)
-    wall_clock_breakdown: bool = F(False, doc="Print `engine.time_report()` (where each step's time went) on "
+    wall_clock_breakdown: DSBool = F(False, doc="Print `engine.time_report()` (where each step's time went) on "
                                    "rank 0 every `steps_per_print` steps.", status=STATUS_IMPLEMENTED)
-    prescale_gradients: bool = F(False, doc="Divide gradients by the world size before the reduction instead of "
+    prescale_gradients: DSBool = F(False, doc="Divide gradients by the world size before the reduction instead of "
                                  "after it (the same mean, rounded differently in 16 bits).")
     gradient_predivide_factor: Number = F(1.0, gt=0, doc="Divide gradients by this before the reduction and by "
                                           "world / this after it (for gradient_allreduce_op \"mean\").")
     gradient_allreduce_op: Literal["mean", "sum"] = F("mean", doc="What the ranks' gradients become: their mean "
                                                       "(DeepSpeed's default) or their sum.")
-    zero_allow_untested_optimizer: bool = F(False, doc="DeepSpeed's guard for client optimizers.",
+    zero_allow_untested_optimizer: DSBool = F(False, doc="DeepSpeed's guard for client optimizers.",
                                             status=STATUS_TUNING)
     comm_timeout_s: Number = F(300.0, gt=0, doc="zeropp extension: seconds any collective may wait for the "
                                "other ranks before it fails with PeerLostError (a killed or lost rank never hangs "
                                "the rest).")
-    broadcast_rank0_weights: bool = F(True, doc="zeropp extension: at initialize every rank takes rank 0's "
+    broadcast_rank0_weights: DSBool = F(True, doc="zeropp extension: at initialize every rank takes rank 0's "
                                       "weights and buffers, unit by unit, as DeepSpeed broadcasts the model "
                                       "(weights loaded on rank 0 only train as they should). false: each rank keeps "
                                       "its own values, for models built identically; ranks that disagree then get "
                                       "a RankDisagreementWarning naming a unit.")
-    zero_force_ds_cpu_optimizer: bool = F(True, doc="DeepSpeed's guard that offload runs its own CPU Adam; "
+    zero_force_ds_cpu_optimizer: DSBool = F(True, doc="DeepSpeed's guard that offload runs its own CPU Adam; "
                                           "zeropp runs Adam/AdamW sections as its CpuAdam under offload and a "
                                           "client optimizer as given.", status=STATUS_TUNING)
     activation_checkpointing: ActivationCheckpointingConfig = F(
@@ -172,6 +174,8 @@ class ZeroppConfig(Section):
                        status=STATUS_TUNING)
     tensor_parallel: TensorParallelConfig = F(default_factory=TensorParallelConfig, doc="DeepSpeed's "
                                               "automatic tensor parallelism (off only).", status=STATUS_PARTIAL)
+    data_types: DataTypesConfig = F(default_factory=DataTypesConfig, doc="The gradient accumulation dtype "
+                                    "(the training dtype only).", status=STATUS_PARTIAL)
     compile: CompileConfig = F(default_factory=CompileConfig, doc="torch.compile at initialize (engine.compile); "
                                "DeepCompile is not supported yet.", status=STATUS_PARTIAL)
 
@@ -296,6 +300,16 @@ def _reduction_conflicts(cfg: ZeroppConfig) -> list[str]:
     return []
 
 
+def _data_type_conflicts(cfg: ZeroppConfig) -> list[str]:
+    """Gradients accumulate in the training dtype; a config asking for another one is refused, not ignored."""
+    want = cfg.data_types.grad_accum_dtype
+    have = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
+    if want is None or want == have:
+        return []
+    return [f"data_types.grad_accum_dtype: not supported yet: {want!r} (zeropp accumulates gradients in the "
+            f"training dtype, here {have}); accepted: null or {have!r}"]
+
+
 def _offload_conflicts(cfg: ZeroppConfig) -> list[str]:
     """Offload settings that cannot work together (each line names the key to change)."""
     zero = cfg.zero_optimization
@@ -354,6 +368,7 @@ def check_supported(cfg: ZeroppConfig, source: str | None = None, more: Iterable
     DeepSpeed features switched on that `translate_legacy` set aside)."""
     hits = list(more) + [line for rule in NOT_SUPPORTED if (line := rule.check(cfg)) is not None]
     hits += _zeropp_below_stage3(cfg) + _offload_conflicts(cfg) + _adam_conflicts(cfg) + _reduction_conflicts(cfg)
+    hits += _data_type_conflicts(cfg)
     if hits:
         raise NotSupportedError(hits, source)
 

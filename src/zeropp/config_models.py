@@ -3,7 +3,8 @@
 `zeropp.config` holds the top-level `ZeroppConfig`, error reporting, the "not supported yet" table and
 `load_config`; this module holds the section models it is built from. Key names are DeepSpeed's.
 
-Validation is strict on purpose: a bool must be a JSON `true`/`false`, a string is never coerced to a
+Validation is strict on purpose: a bool must be a JSON `true`/`false` (or `1`/`0`, which DeepSpeed's configs
+write and whose meaning is plain), a string is never coerced to a
 number, and an integer field takes an int or an integral float (`5e8`, `5.0e8`, as DeepSpeed does) but
 rejects `1.5`. Errors raised here are pydantic errors; `zeropp.config` turns all of them into one
 `ConfigError` that names each JSON path.
@@ -84,6 +85,13 @@ def _pair(value: Any) -> Any:
     return tuple(value)
 
 
+def _flag(value: Any) -> Any:
+    """`1` and `0` as `true` and `false`; anything else (a string, `2`, `1.0`) is left to strict validation."""
+    return bool(value) if type(value) is int and value in (0, 1) else value
+
+
+DSBool = Annotated[bool, BeforeValidator(_flag)]
+"""A bool that may be written `1`/`0`, as DeepSpeed's configs do (`"true"` and `2` stay errors)."""
 DSInt = Annotated[int, BeforeValidator(_integral)]
 """An integer that may be written `5e8` (an integral float), as in DeepSpeed's configs."""
 Number = Annotated[float, BeforeValidator(_number)]
@@ -109,33 +117,33 @@ _BF16_NO_SCALING = ("fp16's loss-scaling key, found in bf16 sections of public c
 class Bf16Config(Section):
     """`bf16`: bfloat16 mixed precision (16-bit compute and communication, fp32 master weights)."""
 
-    enabled: bool = F(False, doc="Train with bf16 weights/activations and fp32 master weights.")
-    immediate_grad_update: bool = F(False, doc="DeepSpeed's bf16 optimizer: add each gradient into its fp32 "
+    enabled: DSBool = F(False, doc="Train with bf16 weights/activations and fp32 master weights.")
+    immediate_grad_update: DSBool = F(False, doc="DeepSpeed's bf16 optimizer: add each gradient into its fp32 "
                                     "accumulator as it is produced; zeropp reduces gradients into fp32 shards as "
                                     "buckets fill in every case.", status=STATUS_TUNING)
     loss_scale: Number = F(0.0, ge=0, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
     initial_scale_power: DSInt = F(16, ge=0, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
     loss_scale_window: DSInt = F(1000, ge=1, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
     hysteresis: DSInt = F(2, ge=1, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
-    consecutive_hysteresis: bool = F(False, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
+    consecutive_hysteresis: DSBool = F(False, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
     min_loss_scale: Number = F(1.0, gt=0, doc=_BF16_NO_SCALING, status=STATUS_TUNING)
 
 
 class Fp16Config(Section):
     """`fp16`: float16 mixed precision with loss scaling (DeepSpeed's keys and semantics)."""
 
-    enabled: bool = F(False, doc="Train in fp16: fp16 weights, activations and communication, fp32 masters, "
+    enabled: DSBool = F(False, doc="Train in fp16: fp16 weights, activations and communication, fp32 masters, "
                       "loss scaling.")
-    auto_cast: bool = F(False, doc="Cast inputs to fp16; zeropp always casts floating-point inputs to the "
+    auto_cast: DSBool = F(False, doc="Cast inputs to fp16; zeropp always casts floating-point inputs to the "
                         "compute dtype.", status=STATUS_TUNING)
     loss_scale: Number = F(0.0, ge=0, doc="Static loss scale; 0 means dynamic.")
     initial_scale_power: DSInt = F(16, ge=0, doc="The dynamic scale starts at 2**this.")
     loss_scale_window: DSInt = F(1000, ge=1, doc="Steps without overflow before the scale doubles.")
     hysteresis: DSInt = F(2, ge=1, doc="Overflows absorbed before the scale is halved.")
-    consecutive_hysteresis: bool = F(False, doc="Refill hysteresis on every good step; zeropp refills it when "
+    consecutive_hysteresis: DSBool = F(False, doc="Refill hysteresis on every good step; zeropp refills it when "
                                      "the scale doubles.", status=STATUS_TUNING)
     min_loss_scale: Number = F(1.0, gt=0, doc="Lower bound of the dynamic loss scale.")
-    fp16_master_weights_and_grads: bool = F(False, doc="Keep master weights in fp16; `true` is not supported "
+    fp16_master_weights_and_grads: DSBool = F(False, doc="Keep master weights in fp16; `true` is not supported "
                                             "yet (zeropp keeps fp32 masters).", status=STATUS_PARTIAL)
 
 
@@ -154,20 +162,20 @@ class OffloadOptimizerConfig(Section):
                               "while their unit is stepped (stages 1-3).")
     nvme_path: str | None = F(None, doc="Directory for the per-rank offload file (required with device "
                               "\"nvme\"; created if missing; space reserved at start-up).")
-    pin_memory: bool = F(False, doc="On CUDA: page-locked host rows and copy buffers, so gradient downloads "
+    pin_memory: DSBool = F(False, doc="On CUDA: page-locked host rows and copy buffers, so gradient downloads "
                          "and 16-bit uploads run asynchronously beside compute. No effect for a model on the "
                          "CPU.")
     buffer_count: DSInt = F(4, ge=1, doc="With device \"nvme\": how many units' optimizer records (master, "
                             "gradient row, Adam moments) may be in memory at once; 2 or more lets the next "
                             "unit's record be read while one is stepped.")
-    pipeline_read: bool = F(False, doc="Overlap NVMe reads with compute (inert: reads are always "
+    pipeline_read: DSBool = F(False, doc="Overlap NVMe reads with compute (inert: reads are always "
                             "prefetched one unit ahead).", status=STATUS_INERT)
-    pipeline_write: bool = F(False, doc="Overlap NVMe writes with compute (inert: writes are always "
+    pipeline_write: DSBool = F(False, doc="Overlap NVMe writes with compute (inert: writes are always "
                              "asynchronous).", status=STATUS_INERT)
-    fast_init: bool = F(False, doc="Fast optimizer init with NVMe (inert).", status=STATUS_INERT)
+    fast_init: DSBool = F(False, doc="Fast optimizer init with NVMe (inert).", status=STATUS_INERT)
     ratio: Number = F(1.0, ge=0, le=1, doc="Fraction of optimizer state offloaded (inert).",
                       status=STATUS_INERT)
-    delayed_update: bool = F(False, doc="Our extension: ZeRO-Offload's delayed parameter update (DPU). After "
+    delayed_update: DSBool = F(False, doc="Our extension: ZeRO-Offload's delayed parameter update (DPU). After "
                              "`delayed_update_warmup_steps` optimizer steps, each step's update runs in the "
                              "background while the next forward/backward uses the weights from one step "
                              "earlier. Not with device \"nvme\".")
@@ -184,7 +192,7 @@ class OffloadParamConfig(Section):
                               "the recorded execution order). Stage 3 only; not with hpZ.")
     nvme_path: str | None = F(None, doc="Directory for the per-rank parameter file (required with device "
                               "\"nvme\").")
-    pin_memory: bool = F(False, doc="On CUDA: page-locked host rows (as offload_optimizer.pin_memory; "
+    pin_memory: DSBool = F(False, doc="On CUDA: page-locked host rows (as offload_optimizer.pin_memory; "
                          "either one turns it on). No effect for a model on the CPU.")
     buffer_count: DSInt = F(5, ge=1, doc="With device \"nvme\" (at least 2): how many shards may be in memory "
                             "at once (the unit being gathered, the prefetched gather, the shards read ahead).")
@@ -257,44 +265,44 @@ class ZeroConfig(Section):
                                           "gathered, in-flight and prefetched elements stay within this.")
     stage3_max_reuse_distance: DSInt = F(1_000_000_000, ge=0, doc="Keep a gathered parameter if reused "
                                          "within this distance.", status=STATUS_TUNING)
-    stage3_gather_16bit_weights_on_model_save: bool = F(False, doc="Gather full 16-bit weights when saving "
+    stage3_gather_16bit_weights_on_model_save: DSBool = F(False, doc="Gather full 16-bit weights when saving "
                                                         "the model: save_16bit_model always gathers them.")
-    stage3_gather_fp16_weights_on_model_save: bool = F(False, doc="DeepSpeed's older name of "
+    stage3_gather_fp16_weights_on_model_save: DSBool = F(False, doc="DeepSpeed's older name of "
                                                        "stage3_gather_16bit_weights_on_model_save.")
-    overlap_comm: bool = F(True, doc="Overlap communication with compute; zeropp always overlaps.",
+    overlap_comm: DSBool = F(True, doc="Overlap communication with compute; zeropp always overlaps.",
                            status=STATUS_TUNING)
-    contiguous_gradients: bool = F(True, doc="Copy gradients into a contiguous buffer; zeropp always "
+    contiguous_gradients: DSBool = F(True, doc="Copy gradients into a contiguous buffer; zeropp always "
                                    "reduces into flat buffers.", status=STATUS_TUNING)
-    reduce_scatter: bool = F(True, doc="Reduce-scatter gradients (true). `false` averages them with an "
+    reduce_scatter: DSBool = F(True, doc="Reduce-scatter gradients (true). `false` averages them with an "
                              "all-reduce of whole buckets, each rank keeping its part (twice the bytes).")
-    allgather_partitions: bool = F(True, doc="All-gather vs. broadcasts in stage 1/2.", status=STATUS_TUNING)
-    round_robin_gradients: bool = F(False, doc="Stage 1/2 CPU-offload copy ordering.", status=STATUS_TUNING)
+    allgather_partitions: DSBool = F(True, doc="All-gather vs. broadcasts in stage 1/2.", status=STATUS_TUNING)
+    round_robin_gradients: DSBool = F(False, doc="Stage 1/2 CPU-offload copy ordering.", status=STATUS_TUNING)
     sub_group_size: DSInt = F(1_000_000_000, ge=0, doc="Optimizer-step tile size (DeepSpeed offload).",
                               status=STATUS_TUNING)
-    ignore_unused_parameters: bool = F(True, doc="Stages 1-2: tolerate trainable parameters that get no gradient "
+    ignore_unused_parameters: DSBool = F(True, doc="Stages 1-2: tolerate trainable parameters that get no gradient "
                                        "(false: each backward checks, and every rank raises naming them).")
-    load_from_fp32_weights: bool = F(True, doc="Restore fp32 master weights from checkpoints; zeropp "
+    load_from_fp32_weights: DSBool = F(True, doc="Restore fp32 master weights from checkpoints; zeropp "
                                      "always does.", status=STATUS_TUNING)
-    memory_efficient_linear: bool = F(True, doc="DeepSpeed replaces torch's linear under stage 3 so its "
+    memory_efficient_linear: DSBool = F(True, doc="DeepSpeed replaces torch's linear under stage 3 so its "
                                       "saved weight is not kept gathered; zeropp patches nothing: a saved weight "
                                       "is released and gathered again when backward unpacks it.",
                                       status=STATUS_TUNING)
-    elastic_checkpoint: bool = F(False, doc="DeepSpeed's stage 1/2 checkpoints that load on another world "
+    elastic_checkpoint: DSBool = F(False, doc="DeepSpeed's stage 1/2 checkpoints that load on another world "
                                  "size; zeropp's checkpoints always do (re-sharding on load).", status=STATUS_TUNING)
-    override_module_apply: bool = F(True, doc="DeepSpeed wraps module.apply under zero.Init to gather "
+    override_module_apply: DSBool = F(True, doc="DeepSpeed wraps module.apply under zero.Init to gather "
                                     "weights; zeropp initializes meta-built modules through param_init_fn.",
                                     status=STATUS_TUNING)
-    use_multi_rank_bucket_allreduce: bool = F(True, doc="DeepSpeed's stage 1/2 all-reduce bucketing; zeropp "
+    use_multi_rank_bucket_allreduce: DSBool = F(True, doc="DeepSpeed's stage 1/2 all-reduce bucketing; zeropp "
                                               "reduce-scatters buckets.", status=STATUS_TUNING)
-    log_trace_cache_warnings: bool = F(False, doc="DeepSpeed's warnings when its stage-3 trace changes; "
+    log_trace_cache_warnings: DSBool = F(False, doc="DeepSpeed's warnings when its stage-3 trace changes; "
                                        "zeropp learns and checks its gather spans itself.", status=STATUS_TUNING)
     mics_shard_size: DSInt = F(-1, ge=-1, doc="MiCS: shard over groups of this size; -1 (off) is accepted, "
                                "other values are not supported yet.", status=STATUS_PARTIAL)
-    zero_quantized_weights: bool = F(False, doc="qwZ: quantize weights for the forward all-gather.")
+    zero_quantized_weights: DSBool = F(False, doc="qwZ: quantize weights for the forward all-gather.")
     zero_quantized_weights_bits: DSInt = F(8, doc="zeropp extension: qwZ bits per weight, 8 or 4.")
     zero_hpz_partition_size: DSInt = F(1, ge=1, doc="hpZ: ranks holding the secondary weight shard "
                                        "(1 = off; usually ranks per node).")
-    zero_quantized_gradients: bool = F(False, doc="qgZ: quantized 2-hop all-to-all gradient reduction.")
+    zero_quantized_gradients: DSBool = F(False, doc="qgZ: quantized 2-hop all-to-all gradient reduction.")
     zero_quantized_gradients_bits: DSInt = F(4, doc="zeropp extension: qgZ bits per gradient, 2, 4 or 8 (2 "
                                              "in small blocks, e.g. 64; 1 is refused: symmetric block "
                                              "quantization has no 1-bit code).")
@@ -304,7 +312,7 @@ class ZeroConfig(Section):
         "block", doc="Our extension, stage 3: \"block\" gathers each child of an nn.ModuleList (a transformer "
         "layer) as one unit, like FSDP2's per-block fully_shard (fewer, larger collectives); \"module\" gathers "
         "each module's own parameters separately (smallest peak of gathered weights).")
-    zero_quantized_nontrainable_weights: bool = F(False, doc="Stage 3: keep parameters frozen at initialize "
+    zero_quantized_nontrainable_weights: DSBool = F(False, doc="Stage 3: keep parameters frozen at initialize "
                                                   "(`requires_grad=False`) only as int8 + scales (blocks of "
                                                   "`quantization_block_size`), gathered as int8 and dequantized "
                                                   "on arrival; no fp32 master, no 16-bit shard.")
@@ -372,23 +380,23 @@ class ActivationCheckpointingConfig(Section):
     ``torch.utils.checkpoint`` ignores them.
     """
 
-    partition_activations: bool | Literal["node"] = F(
+    partition_activations: DSBool | Literal["node"] = F(
         False, doc="true: DeepSpeed splits each checkpoint across the model-parallel group (whole with a group of "
         "one); zeropp has none, so checkpoints stay whole, as in DeepSpeed then (a ConfigWarning says so). "
         "\"node\" (our extension): each checkpoint input is split across the data-parallel ranks of the node, "
         "so a rank holds the node's mean of the checkpoint bytes instead of its own (less on the rank with the "
         "largest micro-batch when they differ; the same when they are alike), for 2 x (D-1)/D of the bytes "
         "over the node's link per step.")
-    cpu_checkpointing: bool = F(False, doc="Keep the checkpoint inputs in host memory until the rerun (copied "
+    cpu_checkpointing: DSBool = F(False, doc="Keep the checkpoint inputs in host memory until the rerun (copied "
                                 "through the host link, asynchronously on CUDA; nothing to copy on a CPU-only "
                                 "run).")
-    contiguous_memory_optimization: bool = F(False, doc="Copy checkpoint inputs into slots of one buffer "
+    contiguous_memory_optimization: DSBool = F(False, doc="Copy checkpoint inputs into slots of one buffer "
                                              "per input size, preallocated with number_checkpoints slots.")
     number_checkpoints: DSInt | None = F(None, ge=1, doc="Checkpoint inputs held at once (slots of the "
                                          "contiguous buffer); required with contiguous_memory_optimization.")
-    synchronize_checkpoint_boundary: bool = F(False, doc="torch.cuda.synchronize() before and after each "
+    synchronize_checkpoint_boundary: DSBool = F(False, doc="torch.cuda.synchronize() before and after each "
                                               "checkpointed forward and rerun (no-op on the CPU).")
-    profile: bool = F(False, doc="Time each checkpointed forward and rerun (logged; "
+    profile: DSBool = F(False, doc="Time each checkpointed forward and rerun (logged; "
                       "zeropp.checkpointing.timings()).")
 
 
@@ -403,9 +411,9 @@ class AioConfig(Section):
                                     status=STATUS_TUNING)
     thread_count: DSInt = F(1, ge=1, doc="The older name of intra_op_parallelism (current DeepSpeed no longer "
                             "reads it).", status=STATUS_TUNING)
-    single_submit: bool = F(False, doc="Submit requests one by one.", status=STATUS_TUNING)
-    overlap_events: bool = F(True, doc="Overlap request submission and completion.", status=STATUS_TUNING)
-    use_gds: bool = F(False, doc="GPUDirect Storage; `true` is not supported yet.", status=STATUS_PARTIAL)
+    single_submit: DSBool = F(False, doc="Submit requests one by one.", status=STATUS_TUNING)
+    overlap_events: DSBool = F(True, doc="Overlap request submission and completion.", status=STATUS_TUNING)
+    use_gds: DSBool = F(False, doc="GPUDirect Storage; `true` is not supported yet.", status=STATUS_PARTIAL)
 
 
 _DEEPCOMPILE = ("A DeepCompile option (DeepSpeed applies it only with deepcompile: true): its default is accepted, "
@@ -420,33 +428,42 @@ class TensorParallelConfig(Section):
                            "supported yet.", status=STATUS_PARTIAL)
 
 
+class DataTypesConfig(Section):
+    """`data_types`: the dtype gradients accumulate in over an accumulation window (DeepSpeed's key)."""
+
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = F(
+        None, doc="zeropp accumulates gradients in the training dtype (bf16, fp16 or fp32), and the value that "
+        "names it loads; another one (fp32 accumulation under bf16, DeepSpeed's bf16 optimizer) is not "
+        "supported yet.", status=STATUS_PARTIAL)
+
+
 class CompileConfig(Section):
     """`compile`: torch.compile, in DeepSpeed's older form (`enabled`, `backend`, `kwargs`) and with 0.19's
     DeepCompile keys, of which zeropp has none (Note [compiled regions] in zeropp/zero/compiled.py)."""
 
-    enabled: bool = F(False, doc="Compile the model at initialize, as engine.compile(backend, kwargs) does: "
+    enabled: DSBool = F(False, doc="Compile the model at initialize, as engine.compile(backend, kwargs) does: "
                       "each block (a child of an nn.ModuleList) in place, else the whole model.")
     backend: str = F("inductor", doc="The torch.compile backend (\"inductor\", \"aot_eager\", ...); one torch "
                      "does not know is an error at initialize naming it.")
     kwargs: dict[str, Any] = F(default_factory=dict, doc="Other torch.compile keyword arguments (mode, "
                                "fullgraph, dynamic, options).")
-    deepcompile: bool = F(False, doc="DeepSpeed's DeepCompile (ZeRO as compiler passes): not supported yet; "
+    deepcompile: DSBool = F(False, doc="DeepSpeed's DeepCompile (ZeRO as compiler passes): not supported yet; "
                           "true is refused.", status=STATUS_PARTIAL)
-    free_activation: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    free_activation: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
     free_activation_threshold: DSInt = F(10 * 1024 * 1024, ge=0, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    offload_activation: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    offload_activation_pin_memory: bool = F(True, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    offload_opt_states: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    double_buffer: bool = F(True, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    symmetric_memory: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    debug_log: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    offload_parameters: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    sync_before_reduce: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    sync_after_reduce: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    sync_before_allgather: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    sync_after_allgather: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    keep_int_input_tensors: bool = F(True, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
-    keep_all_input_tensors: bool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    offload_activation: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    offload_activation_pin_memory: DSBool = F(True, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    offload_opt_states: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    double_buffer: DSBool = F(True, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    symmetric_memory: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    debug_log: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    offload_parameters: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    sync_before_reduce: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    sync_after_reduce: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    sync_before_allgather: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    sync_after_allgather: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    keep_int_input_tensors: DSBool = F(True, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
+    keep_all_input_tensors: DSBool = F(False, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
     passes: list[str] | None = F(None, doc=_DEEPCOMPILE, status=STATUS_PARTIAL)
 
 
@@ -499,17 +516,17 @@ class AdamParams(Section):
     eps: Number = F(1e-8, ge=0, doc="Term added to the denominator.")
     weight_decay: Number = F(0.0, ge=0, doc="Weight decay; decoupled (AdamW) unless Adam with "
                              "adam_w_mode false. Default 0 like DeepSpeed's FusedAdam, not torch's 0.01.")
-    amsgrad: bool = F(False, doc="Use the AMSGrad variant.")
-    maximize: bool = F(False, doc="Maximize the objective instead of minimizing.")
-    foreach: bool | None = F(None, doc="torch's foreach implementation switch (null = torch decides).",
+    amsgrad: DSBool = F(False, doc="Use the AMSGrad variant.")
+    maximize: DSBool = F(False, doc="Maximize the objective instead of minimizing.")
+    foreach: DSBool | None = F(None, doc="torch's foreach implementation switch (null = torch decides).",
                              status=STATUS_TUNING)
-    fused: bool | None = F(None, doc="torch's fused implementation switch (null = torch decides).",
+    fused: DSBool | None = F(None, doc="torch's fused implementation switch (null = torch decides).",
                            status=STATUS_TUNING)
-    bias_correction: bool = F(True, doc="DeepSpeed FusedAdam key: `false` steps by lr * m / (sqrt(v) + eps) "
+    bias_correction: DSBool = F(True, doc="DeepSpeed FusedAdam key: `false` steps by lr * m / (sqrt(v) + eps) "
                               "without dividing the moments by 1 - beta**t (zeropp's UncorrectedAdam).")
-    torch_adam: bool = F(False, doc="DeepSpeed key choosing torch's Adam over FusedAdam; zeropp always "
+    torch_adam: DSBool = F(False, doc="DeepSpeed key choosing torch's Adam over FusedAdam; zeropp always "
                          "uses torch's.", status=STATUS_TUNING)
-    adam_w_mode: bool = F(True, doc="DeepSpeed key: for type Adam, true = decoupled weight decay "
+    adam_w_mode: DSBool = F(True, doc="DeepSpeed key: for type Adam, true = decoupled weight decay "
                           "(AdamW), false = L2 (torch Adam). Type AdamW is always AdamW.")
 
     @field_validator("betas", mode="before")
@@ -525,10 +542,10 @@ class SGDParams(Section):
     momentum: Number = F(0.0, ge=0, doc="Momentum factor.")
     dampening: Number = F(0.0, doc="Dampening for momentum.")
     weight_decay: Number = F(0.0, ge=0, doc="L2 penalty.")
-    nesterov: bool = F(False, doc="Nesterov momentum (needs momentum > 0 and dampening 0).")
-    maximize: bool = F(False, doc="Maximize the objective instead of minimizing.")
-    foreach: bool | None = F(None, doc="torch's foreach switch.", status=STATUS_TUNING)
-    fused: bool | None = F(None, doc="torch's fused switch.", status=STATUS_TUNING)
+    nesterov: DSBool = F(False, doc="Nesterov momentum (needs momentum > 0 and dampening 0).")
+    maximize: DSBool = F(False, doc="Maximize the objective instead of minimizing.")
+    foreach: DSBool | None = F(None, doc="torch's foreach switch.", status=STATUS_TUNING)
+    fused: DSBool | None = F(None, doc="torch's fused switch.", status=STATUS_TUNING)
 
     @model_validator(mode="after")
     def _nesterov(self) -> SGDParams:

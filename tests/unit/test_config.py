@@ -146,10 +146,18 @@ def test_wrong_type_names_path_and_expected_type() -> None:
     assert "zero_optimization.stage: expected an integer, got 'three'" in msg
 
 
-@pytest.mark.parametrize("value", ["yes", 1, "true"])
+@pytest.mark.parametrize("value", ["yes", 2, 1.0, "true"])
 def test_bools_must_be_json_booleans(value: object) -> None:
     msg = str(error_of(stage3(overlap_comm=value)))
     assert "zero_optimization.overlap_comm: expected true or false" in msg
+
+
+def test_one_and_zero_are_read_as_bools_as_deepspeed_reads_them() -> None:
+    cfg = load_config({"zero_allow_untested_optimizer": 1, "bf16": {"enabled": 1},
+                       "zero_optimization": {"stage": 2, "overlap_comm": 0, "cpu_offload": 1}})
+    assert cfg.zero_allow_untested_optimizer is True and cfg.bf16.enabled is True
+    assert cfg.zero_optimization.overlap_comm is False
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
 
 
 def test_bool_is_not_an_integer() -> None:
@@ -546,3 +554,11 @@ def test_every_accepted_key_is_documented_with_description_and_status() -> None:
 def test_json_dump_round_trips() -> None:
     cfg = load_config({**TUTORIAL, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5}}})
     assert load_config(json.loads(json.dumps(cfg.model_dump(mode="json")))) == cfg
+
+
+def test_grad_accum_dtype_loads_when_it_names_the_training_dtype_and_is_refused_otherwise() -> None:
+    assert load_config({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}) \
+        .data_types.grad_accum_dtype == "bf16"
+    assert load_config({"data_types": {"grad_accum_dtype": "fp32"}}).data_types.grad_accum_dtype == "fp32"
+    msg = str(error_of({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}))
+    assert "data_types.grad_accum_dtype: not supported yet: 'fp32'" in msg and "accepted: null or 'bf16'" in msg

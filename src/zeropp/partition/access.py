@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import torch
+
 
 class ParameterAccessError(RuntimeError):
     """A partitioned parameter was used in a way that cannot be served (the message says which and why)."""
@@ -21,6 +23,27 @@ METADATA = frozenset({
 STORAGE_INFO = frozenset({"untyped_storage", "data_ptr", "storage_offset", "is_pinned", "is_shared"})
 INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__",
                              "__set__"})
+
+
+def is_noop(name: str, args: tuple, kwargs: dict) -> bool:
+    """A call that gives a parameter back unchanged without reading it: a move to where it already is
+    (``p.cpu()``, ``p.to(its device or dtype)``), or ``p.data = p``, which is what ``module.cpu()`` and
+    ``module.to(device)`` do with that result."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    t = args[0]
+    if name == "__set__":
+        return len(args) == 2 and args[1] is t
+    if name == "cpu":
+        return t.device.type == "cpu"
+    if name == "to" and not kwargs.get("copy", False):
+        try:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+        except (TypeError, RuntimeError):
+            return False
+        same_device = device is None or (device.type == t.device.type and device.index in (None, t.device.index))
+        return same_device and dtype in (None, t.dtype) and memory_format is None
+    return False
 
 
 def call_name(func: Any) -> str:

@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from zeropp.config import read_json
-from zeropp.partition.access import METADATA, STORAGE_INFO, call_args, call_name
+from zeropp.partition.access import METADATA, STORAGE_INFO, call_args, call_name, is_noop
 from zeropp.partition.construction import PARAMS, State
 from zeropp.topology import ensure_process_group
 from zeropp.zero import gathered, idle_watch
@@ -182,6 +182,8 @@ class _Access(TorchFunctionMode):
             return func(*args, **kwargs)
         hits = [a for a, _ in call_args(args, kwargs) if isinstance(a, nn.Parameter) and PARAMS.get(a) is not None]
         name = call_name(func) if hits else ""
+        if hits and is_noop(name, args, kwargs):  # model.cpu() on a model already on the CPU
+            return func(*args, **kwargs)
         if hits and name not in METADATA and name not in STORAGE_INFO:
             if not self.c.building:
                 PARAMS.check_idle(func, args, kwargs)

@@ -58,7 +58,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zeropp.partition.access import (INPLACE_DUNDERS, METADATA, STORAGE_INFO, ParameterAccessError, call_args,
-                                     call_name)
+                                     call_name, is_noop)
 from zeropp.partition.unit import ParamSlot, Unit, UnitState
 from zeropp.zero import idle_watch
 
@@ -332,7 +332,7 @@ class ParamUse:
     # ---- between the passes (Note [reads between passes] in idle_watch.py) --------------------------------
     def check_idle(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Outside the passes: refuse a call that would read a released parameter's elements."""
-        if self._active:
+        if self._active or is_noop(call_name(func), args, kwargs):  # engine.module.cpu() on the CPU
             return
         for a, _ in call_args(args, kwargs):
             self._check_idle_arg(func, a)

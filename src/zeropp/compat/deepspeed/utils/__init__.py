@@ -4,7 +4,9 @@ Each ``safe_*`` function is DeepSpeed's, in its signature, over ``zeropp.zero.pa
 vocabulary): ``full`` values are collective (every rank calls; each gets the whole tensor, fp32), ``local`` ones
 this rank's part of the flattened parameter (padding left out). A parameter no engine manages gives None from a
 ``get_full`` function, as in DeepSpeed; the ``local`` functions raise for it. Gradients are read between
-``engine.backward`` and ``engine.step()``: averaged over the ranks, the fp16 loss scale taken out.
+``engine.backward`` and ``engine.step()``: averaged over the ranks, the fp16 loss scale taken out. A parameter
+frozen at ``initialize`` has no trained fp32 value, gradient or optimizer state: the ``get`` functions give None
+for it, as DeepSpeed's do, and the ``set`` ones refuse it (DeepSpeed ignores the write).
 
 Leaf modules (``set_z3_leaf_modules`` & co.) make a module's whole subtree one ZeRO-3 gather unit; mark them
 before ``initialize``, which plans the units (``zero_optimization.leaf_module`` does the same from the config).
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Optional, Type, Union
+from typing import Callable, Optional, Type, Union
 
 import torch
 from torch import nn
@@ -25,7 +27,7 @@ logger = logging.getLogger("deepspeed")
 
 __all__ = [
     "logger", "log_dist", "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
-    "safe_set_full_grad", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
+    "safe_set_full_grad", "safe_update_full_grad_vectorized", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
     "safe_get_local_fp32_param", "safe_set_local_fp32_param", "safe_get_local_grad", "safe_set_local_grad",
     "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "set_z3_leaf_modules",
     "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "set_z3_leaf_module",
@@ -40,83 +42,113 @@ def log_dist(message: str, ranks: Optional[list[int]] = None, level: int = loggi
         logger.log(level, f"[Rank {rank}] {message}")
 
 
-def _local(param: torch.Tensor, what: str) -> ps.Located:
+def _trained(param: torch.Tensor) -> Optional[ps.Located]:
+    """Where a trained parameter's states live; None for one no engine manages or one frozen at initialize."""
+    loc = ps.locate(param)
+    return loc if loc is not None and loc.slot.trainable else None
+
+
+def _local(param: torch.Tensor, what: str) -> Optional[ps.Located]:
     loc = ps.locate(param)
     if loc is None:
         raise ValueError(f"{what}: the parameter (shape {tuple(param.shape)}) is not managed by a zeropp engine; "
                          "the local API is defined for parameters after zeropp.initialize")
+    return loc if loc.slot.trainable else None
+
+
+def _writable(param: torch.Tensor, what: str, local: bool = False) -> Optional[ps.Located]:
+    loc = _local(param, what) if local else ps.locate(param)
+    if loc is not None and not loc.slot.trainable:
+        raise ValueError(f"{what}: parameter {loc.slot.name!r} was frozen at initialize, so it has no fp32 master, "
+                         "gradient or optimizer state to write; change a frozen weight inside "
+                         "deepspeed.zero.GatheredParameters(param, modifier_rank=0)")
     return loc
 
 
 # ---- full values (collective) ------------------------------------------------------------------------------
 def safe_get_full_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """The parameter's whole fp32 master; None for a parameter no engine manages."""
-    loc = ps.locate(param)
+    """The parameter's whole fp32 master; None for a parameter no engine manages or one frozen."""
+    loc = _trained(param)
     return None if loc is None else ps.full_master(loc)
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Make ``value`` the parameter's fp32 master (and weights); every rank passes the same value."""
-    loc = ps.locate(param)
+    loc = _writable(param, "safe_set_full_fp32_param")
     if loc is not None:
         ps.set_master(loc, value)
 
 
 def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The parameter's whole gradient (fp32, averaged, unscaled), as the next step will use it."""
-    loc = ps.locate(param)
+    loc = _trained(param)
     return None if loc is None else ps.full_grad(loc)
 
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     """Make ``value`` (unscaled) the gradient the next step uses."""
-    loc = ps.locate(param)
+    loc = _writable(param, "safe_set_full_grad")
     if loc is not None:
         ps.set_grad(loc, value)
 
 
+def safe_update_full_grad_vectorized(param_list: list[torch.Tensor],
+                                     update_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """For each trained parameter of ``param_list`` with a gradient: make ``update_func(full_grad, param)`` its
+    gradient (collective; frozen and unmanaged parameters are passed over, as in DeepSpeed)."""
+    for param in param_list:
+        loc = _trained(param)
+        grad = None if loc is None else ps.full_grad(loc)
+        if grad is not None:
+            ps.set_grad(loc, update_func(grad, param))
+
+
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Optional[torch.Tensor]:
     """The parameter's whole optimizer state ``optim_state_key`` (``exp_avg``, ``exp_avg_sq``, ``step``)."""
-    loc = ps.locate(param)
+    loc = _trained(param)
     return None if loc is None else ps.full_optimizer_state(loc, optim_state_key)
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Write the parameter's optimizer state ``optim_state_key``; every rank passes the same value."""
-    loc = ps.locate(param)
+    loc = _writable(param, "safe_set_full_optimizer_state")
     if loc is not None:
         ps.set_optimizer_state(loc, optim_state_key, value)
 
 
 # ---- this rank's part ----------------------------------------------------------------------------------------
-def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the parameter's fp32 master."""
-    return ps.local_master(_local(param, "safe_get_local_fp32_param"))
+def safe_get_local_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """This rank's part of the parameter's fp32 master; None for a frozen one."""
+    loc = _local(param, "safe_get_local_fp32_param")
+    return None if loc is None else ps.local_master(loc)
 
 
 def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Write this rank's part of the fp32 master (and weights)."""
-    ps.set_master(_local(param, "safe_set_local_fp32_param"), value, local=True)
+    ps.set_master(_writable(param, "safe_set_local_fp32_param", local=True), value, local=True)
 
 
 def safe_get_local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """This rank's part of the reduced gradient (stages 2-3)."""
-    return ps.local_grad(_local(param, "safe_get_local_grad"))
+    """This rank's part of the reduced gradient (stages 2-3); None for a frozen parameter."""
+    loc = _local(param, "safe_get_local_grad")
+    return None if loc is None else ps.local_grad(loc)
 
 
 def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     """Write this rank's part of the reduced gradient (stages 2-3)."""
-    ps.set_grad(_local(param, "safe_set_local_grad"), value, local=True)
+    ps.set_grad(_writable(param, "safe_set_local_grad", local=True), value, local=True)
 
 
-def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor:
-    """This rank's part of the optimizer state ``optim_state_key``."""
-    return ps.local_optimizer_state(_local(param, "safe_get_local_optimizer_state"), optim_state_key)
+def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Optional[torch.Tensor]:
+    """This rank's part of the optimizer state ``optim_state_key``; None for a frozen parameter."""
+    loc = _local(param, "safe_get_local_optimizer_state")
+    return None if loc is None else ps.local_optimizer_state(loc, optim_state_key)
 
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Write this rank's part of the optimizer state ``optim_state_key``."""
-    ps.set_optimizer_state(_local(param, "safe_set_local_optimizer_state"), optim_state_key, value, local=True)
+    ps.set_optimizer_state(_writable(param, "safe_set_local_optimizer_state", local=True), optim_state_key, value,
+                           local=True)
 
 
 # ---- leaf modules ------------------------------------------------------------------------------------------------
