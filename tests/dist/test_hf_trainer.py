@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from support.hf_trainer_case import (  # noqa: E402
-    BLOCK, SAVE_AT, STEPS, corpus_windows, reference_parity, run, tiny_gpt2,
+    BLOCK, SAVE_AT, STEPS, corpus_windows, reference_parity, reference_parity_again, run, tiny_gpt2,
 )
 from support.world import run_world  # noqa: E402
 
@@ -84,6 +84,19 @@ def test_fp32_training_matches_the_plain_trainer(world: list[dict], tmp_path: Pa
             assert g[0] == pytest.approx(w[0], rel=1e-5), f"{case} step {step} loss"
             assert g[1] == pytest.approx(w[1], rel=1e-5), f"{case} step {step} grad_norm"
             assert g[2] == pytest.approx(w[2], rel=1e-12), f"{case} step {step} learning_rate"
+
+
+def test_a_second_train_continues_as_the_plain_trainers(world: list[dict], tmp_path: Path) -> None:
+    """``train()`` again on the same trainer, as the Trainer runs it: the trained weights and Adam's state carry
+    on, the linear schedule starts over (warm-up again), the steps count from 1 again."""
+    first, again = reference_parity_again(str(tmp_path))
+    got, engine_steps = world[0]["parity_again"]
+    assert engine_steps == len(got) == len(again) == 4 and again[0][0] < first[0][0]  # trained weights
+    assert [h[2] for h in again] == [h[2] for h in first]  # the schedule started over
+    for step, (g, w) in enumerate(zip(got, again)):
+        assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
+        assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"
+        assert g[2] == pytest.approx(w[2], rel=1e-12), f"step {step} learning_rate"
 
 
 def test_torch_compile_trains_through_the_engine_as_eager(world: list[dict]) -> None:
@@ -182,7 +195,6 @@ def test_settings_that_contradict_the_trainer_fail_before_any_collective(world: 
         and "bf16.enabled: True in the config, but TrainingArguments bf16 gives False" in errors["precision"]
     assert "gradient_accumulation_steps: 4 in the config" in errors["gas"], errors["gas"]
     assert "no zeropp engine checkpoint" in errors["resume_without_engine_state"]
-    assert "train() again on the same trainer is not supported yet" in world[0]["train_again"]
     assert all(r["errors"] == errors for r in world[1:])  # every rank refuses alike: nobody waits in a collective
 
 

@@ -94,7 +94,6 @@ def run(rank: int, world: int, root: str) -> dict:
         "stage": trainer.engine.zero_optimization_stage(),
         "lr_scheduler": type(trainer.engine.lr_scheduler).__name__,
         "eval_loss": evaluated,
-        "train_again": error_of(trainer.train),  # the engine's optimizer and schedule would not start over
     }
     # a second trainer, other initial weights, resumes from the mid-run checkpoint and trains to STEPS
     resumed = ZeroppTrainer(model=tiny_gpt2(seed=1), args=training_args(os.path.join(root, "out2")),
@@ -114,7 +113,10 @@ def run(rank: int, world: int, root: str) -> dict:
                                  if "eval_loss" in h]
     result["best"] = (evaluating.state.best_model_checkpoint, evaluating.state.best_metric,
                       evaluating.evaluate(eval_rows)["eval_loss"])
-    result["parity"] = _history(parity_trainer(os.path.join(root, "parity"), data, zeropp=True))
+    parity = parity_trainer(os.path.join(root, "parity"), data, zeropp=True)
+    result["parity"] = _history(parity)
+    parity.train()  # a second run on the trained weights and the optimizer's state, with a new schedule
+    result["parity_again"] = (_history(parity), parity.engine.global_steps)
     result["parity_batch_mean"] = _history(parity_trainer(os.path.join(root, "parity2"), data, zeropp=True,
                                                           batch_mean_loss=True))
     compiled = parity_trainer(os.path.join(root, "parity4"), data, zeropp=True, torch_compile=True,
@@ -173,6 +175,14 @@ def reference_parity(root: str, batch_mean_loss: bool, epoch: bool = False) -> l
     """The plain Trainer's run in this (non-distributed) process."""
     return _history(parity_trainer(os.path.join(root, f"reference{int(batch_mean_loss)}{int(epoch)}"),
                                    corpus_windows(), zeropp=False, batch_mean_loss=batch_mean_loss, epoch=epoch))
+
+
+def reference_parity_again(root: str) -> tuple[list[tuple[float, float, float]], list[tuple[float, float, float]]]:
+    """The plain Trainer's first and second ``train()`` on the same trainer, in this process."""
+    trainer = parity_trainer(os.path.join(root, "reference_again"), corpus_windows(), zeropp=False)
+    first = _history(trainer)
+    trainer.train()
+    return first, _history(trainer)
 
 
 def errors(root: str, data: Any) -> dict[str, str]:

@@ -113,7 +113,7 @@ class ZeroppTrainer(transformers.Trainer):
         self.zeropp_config = zeropp_config
         self.engine: Optional[CheckpointingEngine] = None
         self._engine_module: Optional[EngineModule] = None
-        self._engine_steps: Optional[int] = None
+        self._schedule_built_here = False  # from lr_scheduler_type (built again for a later train())
         if trainer_args:  # the Trainer's positional order
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         else:  # by name: a subclass mixed in after this one may order its arguments otherwise (DPO's ref_model)
@@ -160,7 +160,7 @@ class ZeroppTrainer(transformers.Trainer):
         if self.args.torch_compile:  # the engine compiles per block (Note [compiled regions]), not accelerate
             mode = self.args.torch_compile_mode
             engine.compile(self.args.torch_compile_backend or "inductor", {"mode": mode} if mode else {})
-        self.engine, self._engine_steps = engine, max_steps
+        self.engine = engine
         self._engine_module = EngineModule(engine)
         self.model_wrapped = self._engine_module
         self.optimizer = EngineOptimizer(engine)
@@ -198,6 +198,7 @@ class ZeroppTrainer(transformers.Trainer):
                                      "evaluation metrics, which the engine does not have; not supported yet")
 
         def build(optimizer: torch.optim.Optimizer) -> Any:
+            self._schedule_built_here = True
             self.lr_scheduler = None  # create_scheduler builds only when none is set
             return self.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
 
@@ -217,22 +218,30 @@ class ZeroppTrainer(transformers.Trainer):
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Optional[str]
                               ) -> tuple[nn.Module, Any]:
-        """Build the engine (first ``train()``) and restore its checkpoint when resuming; the model the loop
-        calls is the engine's (:class:`~zeropp.hf.adapters.EngineModule`)."""
+        """Build the engine (first ``train()``, or start a new run on it at a later one) and restore its
+        checkpoint when resuming; the model the loop calls is the engine's
+        (:class:`~zeropp.hf.adapters.EngineModule`)."""
         if self.engine is None:
             self._start_engine(max_steps)
-        elif resume_from_checkpoint is None or max_steps != self._engine_steps:
-            # the Trainer would start over (step 0, a new schedule) while the engine's optimizer and schedule
-            # continue: only a resume of the same run, which restores both, is consistent
-            raise ZeroppTrainerError("ZeroppTrainer: train() again on the same trainer is not supported yet, except "
-                                     f"train(resume_from_checkpoint=...) of the same {self._engine_steps} steps; "
-                                     "build a new ZeroppTrainer")
+        else:
+            self._restart_engine(max_steps)
         if resume_from_checkpoint is not None:
             self._resume_engine(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self._engine_module, train_dataloader
+
+    def _restart_engine(self, max_steps: int) -> None:
+        """A later ``train()``, as the Trainer runs one: the weights and the optimizer's state carry on, a
+        schedule the Trainer built from ``lr_scheduler_type`` is built again for the new length (one given in
+        ``optimizers=`` or in the config carries on), and the steps count from 0 again."""
+        engine = self._require_engine("train")
+        if self._schedule_built_here:
+            self.lr_scheduler = None  # create_scheduler builds only when none is set
+            engine.lr_scheduler = self.create_scheduler(num_training_steps=max_steps, optimizer=engine.optimizer)
+            self.lr_scheduler = EngineScheduler(engine)
+        engine.restart_counts()
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights from its engine checkpoint (collective); the
