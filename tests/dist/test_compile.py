@@ -18,8 +18,9 @@ from support.world import run_world
 from zeropp.demo.data import corpus_tokens, get_batch
 from zeropp.demo.model import GPT, GPTConfig
 from zeropp.partition.access import ParameterAccessError
+from zeropp.zero.order_check import CollectiveOrderError
 
-STEPS = 4
+STEPS = 3
 PLUS = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
 
 
@@ -120,11 +121,66 @@ CASES = {
 }
 
 
+class TwoPaths(nn.Module):
+    """Two same-sized blocks that one rank may run in the other order (``swap``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, swap: bool) -> torch.Tensor:
+        h = self.a(self.b(x)) if swap else self.b(self.a(x))
+        return self.head(h).pow(2).mean()
+
+
+def swapped_after_warm_up(rank: int, world: int) -> dict:
+    """Rank 1 runs the blocks in the other order at step 3, once the model runs compiled: the collective
+    order check must still refuse the step on every rank (2 ranks on one node, stage 3)."""
+    torch.manual_seed(0)
+    cfg = config(zero={"zero_quantized_weights": False, "zero_hpz_partition_size": 1,
+                       "zero_quantized_gradients": False}) | {"topology": {"ranks_per_node": 1}}
+    engine, *_ = zeropp.initialize(model=torch.compile(TwoPaths(), backend="aot_eager"), config=cfg)
+    error = None
+    for step in range(STEPS):
+        x = torch.randn(2, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        engine.backward(engine(x, swap=rank == 1 and step == 2))
+        try:
+            engine.step()
+        except CollectiveOrderError as e:
+            error = (step, str(e))
+            break
+    engine.close()
+    return {"error": error}
+
+
+def new_batch_shapes(rank: int, world: int) -> list[int]:
+    """Per-block compiled demo GPT at sequence length 32 for 3 steps, then 16, 24 and 8: the graphs counted
+    after each step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    engine, *_ = zeropp.initialize(model=demo(), config=config())
+    engine.compile(backend="aot_eager")
+    graphs = []
+    for step, length in enumerate((32, 32, 32, 16, 24, 8)):
+        x, y = demo_batch(step, rank, world)
+        loss = engine(x[:, :length], y[:, :length])
+        engine.backward(loss)
+        engine.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    engine.close()
+    return graphs
+
+
 def scenarios(rank: int, world: int) -> dict:
-    out = {}
+    out: dict = {}
     for name, (make, batch, cfg, how) in CASES.items():
         out[name] = {"eager": train(rank, world, make, batch, cfg, "eager"),
                      "compiled": train(rank, world, make, batch, cfg, how)}
+    out["shapes"] = new_batch_shapes(rank, world)
     return out
 
 
@@ -145,6 +201,20 @@ def test_compiled_training_matches_eager_without_recompiles(case):
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
         assert compiled["names"] == eager["names"]  # no "_orig_mod." in what the engine saves
         assert bool(compiled.get("refused")) == bool(eager.get("refused")) == (case != "stage2_whole")
+
+
+def test_collective_order_check_still_refuses_under_compile():
+    for res in run_world(swapped_after_warm_up, 2):
+        assert res["error"] is not None  # every rank, in the step where rank 1 swapped
+        assert res["error"][0] == 2 and "same modules" in res["error"][1]
+
+
+def test_a_new_batch_shape_recompiles_once():
+    for res in results():
+        graphs = res["shapes"]
+        assert graphs[0] == 0 < graphs[1] == graphs[2]
+        assert graphs[3] > graphs[2]  # the first new length compiles again, with the length dynamic
+        assert graphs[4] == graphs[5] == graphs[3]  # later lengths reuse it
 
 
 def inductor(rank: int, world: int) -> dict:
