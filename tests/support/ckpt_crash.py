@@ -10,18 +10,17 @@ import tempfile
 import time
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
-
-from support.world import _free_port, _worker
+from support.world import _context, _free_port, _parent, _worker
 
 
 def run_crashing_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None = None,
                        timeout: float = 120, grace: float = 15) -> list[int]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's exit code (-9: SIGKILL)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.get_context("spawn")
+        ctx = _context(None)
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, ranks_per_node or world, port, out_dir, fn, args))
+        procs = [ctx.Process(target=_worker, args=(r, world, ranks_per_node or world, port, out_dir, fn, args,
+                                                   _parent()))
                  for r in range(world)]
         for p in procs:
             p.start()

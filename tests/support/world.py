@@ -4,12 +4,15 @@ Process start-up dominates on two cores, so a test module starts a world once (m
 its worker function runs every scenario, returning plain results for the tests to assert on.
 
 Ranks are forked from a fork server that imported torch and zeropp once per test session (about 0.1 s for a
-world of 4, against 7-8 s when every rank imports them itself). A rank takes the test process's environment
-and working directory as they are when the world starts. A world given ``env`` (settings read before Python
+world of 4, against 7-8 s when every rank imports them itself). A rank takes the test process's environment,
+working directory and stdout/stderr as they are when the world starts, and runs the exit handlers a spawned
+interpreter would run. A world given ``env`` (settings read before Python
 runs, such as glibc's malloc tunables) is spawned, each rank a fresh interpreter.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import pickle
 import socket
@@ -40,14 +43,39 @@ def _context(env: dict[str, str] | None) -> Any:
     return ctx
 
 
+def _parent() -> dict[str, Any]:
+    """What a rank takes from the test process as the world starts: environment, directory, stdout/stderr."""
+    return {"environ": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}
+
+
+def _adopt(parent: dict[str, Any]) -> None:
+    """Make a rank forked from the fork server look like one started by the test now: its environment and
+    working directory, and its stdout/stderr (a test's capture file) opened again through /proc."""
+    os.environ.clear()
+    os.environ.update(parent["environ"])
+    os.chdir(parent["cwd"])
+    for fd in (1, 2):
+        try:
+            new = os.open(f"/proc/{parent['pid']}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        os.dup2(new, fd)
+        os.close(new)
+
+
+def _finalize() -> None:
+    """What a spawned rank's interpreter does at exit and a forked one skips (it leaves by ``os._exit``): collect
+    garbage and run the exit handlers (weakref finalizers among them: offload files are removed there)."""
+    gc.collect()
+    atexit._run_exitfuncs()
+
+
 def _worker(rank: int, world: int, ranks_per_node: int, port: int, out_dir: str, fn: Callable, args: tuple,
-            environ: dict[str, str], cwd: str) -> None:
+            parent: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.clear()  # the test's environment now, not the fork server's from its start
-    os.environ.update(environ)
-    os.chdir(cwd)
+    _adopt(parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(ranks_per_node),
                       LOCAL_RANK=str(rank % ranks_per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -60,6 +88,7 @@ def _worker(rank: int, world: int, ranks_per_node: int, port: int, out_dir: str,
         pickle.dump(result, f)
     if dist.is_initialized():
         dist.destroy_process_group()
+    _finalize()
 
 
 def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None = None, timeout: float = 600,
@@ -76,8 +105,8 @@ def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None =
         port = _free_port()
         saved = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})
-        environ, cwd = dict(os.environ), os.getcwd()
-        procs = [ctx.Process(target=_worker, args=(r, world, rpn, port, out_dir, fn, args, environ, cwd))
+        parent = _parent()
+        procs = [ctx.Process(target=_worker, args=(r, world, rpn, port, out_dir, fn, args, parent))
                  for r in range(world)]
         try:
             for p in procs:

@@ -36,7 +36,7 @@ from zeropp.comm.strategy import GatherStrategy, PendingGather, ReduceStrategy
 from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition import listeners
-from zeropp.partition.assign import plan_units
+from zeropp.partition.assign import is_leaf, plan_units
 from zeropp.partition.construction import PARAMS
 from zeropp.partition.meta import MetaMaterializer
 from zeropp.partition.values import Plan, UnitValues, agreed_rng
@@ -286,9 +286,11 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
                     if self.plan.shards_weights:
                         plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
                         plan.module.register_forward_hook(self._make_post_forward(unit))
+                    whole = is_leaf(plan.module)  # Note [partly used units]
                     for slot_index, slot in enumerate(unit.slots):
                         if slot.param.requires_grad and self.plan.reduces_as_ready:
-                            slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(unit, slot_index))
+                            slot.param.register_post_accumulate_grad_hook(
+                                self._make_grad_hook(unit, slot_index, whole))
                     units.append(unit)
             if meta is not None:
                 meta.finish()
@@ -401,7 +403,9 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(on_output_grad)
 
-    def _make_grad_hook(self, unit: Unit, slot_index: int) -> Callable:
+    def _make_grad_hook(self, unit: Unit, slot_index: int, whole: bool) -> Callable:
+        """``whole``: the unit is a leaf module's, whose gradients are bucketed together (Note [partly used
+        units]); other units hand each gradient to the buckets as it arrives."""
         @unwatched
         def hook(param: nn.Parameter) -> None:
             grad, param.grad = param.grad, None
@@ -409,12 +413,14 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
             self._window_seen.add((unit.index, slot_index))
             left = (self._grads_missing[unit] if unit in self._grads_missing else unit.needs_grad()) - 1
             self._grads_missing[unit] = left
-            staged = self._staged.setdefault(unit, [])
-            staged.append((slot_index, grad))
-            if left > 0:  # Note [partly used units]: bucketed once the unit's last gradient is in
-                return
-            for index, g in self._staged.pop(unit):
-                self._bucket(unit, index, g)
+            if whole:
+                self._staged.setdefault(unit, []).append((slot_index, grad))
+                if left > 0:
+                    return
+                for index, g in self._staged.pop(unit):
+                    self._bucket(unit, index, g)
+            else:
+                self._bucket(unit, slot_index, grad)
             if left == 0 and self.plan.shards_weights:
                 self._release(unit, Pass.BACKWARD)
         return hook
@@ -424,13 +430,15 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         self.buckets.add(unit, slot_index, grad)
 
     def _bucket_partly_used(self) -> None:
-        """Note [partly used units]: a unit some of whose parameters got no gradient in this backward on this
-        rank (a rank that ran one of a leaf module's experts, one branch of a module) would hand the buckets
-        only what it used, in its own order, and the ranks' buckets would pair different parameters. So a
-        unit's gradients wait until all of them are in; those of a unit still waiting when backward ends go to
-        the buckets in slot order, zeros for the parameters it did not use, in unit order: the same adds on
-        every rank whose backward reached the same units. (A unit that some rank's backward never reached is
-        refused by the collective order check.)"""
+        """Note [partly used units]: a leaf module (``set_z3_leaf_modules``, ``leaf_module``, the granularity
+        threshold) is one unit over several modules, and ranks may use different parts of it: a mixture of
+        experts whose tokens went to other experts on another rank, a forward that picks a child by rank. Each
+        rank would hand the buckets only what it used, in its own order, and the ranks' buckets would pair
+        different parameters. So a leaf unit's gradients wait until all of them are in; those of a leaf unit
+        still waiting when backward ends go to the buckets in slot order, zeros for the parameters it did not
+        use, in unit order: the same adds on every rank whose backward reached the same units. Other units
+        hand each gradient over as it arrives (the earliest reduction); ranks that use different parts of one
+        of them, or run different units, are refused by the collective order check."""
         for unit in sorted(self._staged, key=lambda u: u.index):
             got = dict(self._staged[unit])
             for index, slot in enumerate(unit.slots):
