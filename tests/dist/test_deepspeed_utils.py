@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import zeropp
-from support.ds_reference import ds_batch, ds_loss, make_model
+from support.ds_reference import HIDDEN, ds_batch, ds_loss, make_model
 from support.world import run_world
 
 WORLD, LR, WD = 2, 1e-2, 0.01
@@ -285,6 +285,67 @@ def comm_calls(rank: int, world: int) -> dict:
             "count": dist.get_comm_operation_count()}
 
 
+class ByRank(nn.Module):
+    """A leaf module whose forward picks a child by rank (DeepSpeed's ChooseModuleByRankModel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.pick = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        return self.pick[rank % 2](self.inp(x)).pow(2).mean()
+
+
+def by_rank_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(2, 4, generator=torch.Generator().manual_seed(31 * step + rank))
+
+
+def partly_used(rank: int) -> dict:
+    """Ranks that use different children of one leaf unit train on the mean of their gradients (zeros for a
+    child a rank did not run); plus the frozen-parameter and no-op-move behaviours."""
+    import deepspeed
+    from deepspeed import utils
+    from deepspeed.utils import set_z3_leaf_modules
+    torch.manual_seed(0)
+    model = ByRank()
+    set_z3_leaf_modules(model, [ByRank])
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    out: dict = {"doubled": []}
+    for step in range(3):
+        engine.backward(engine(by_rank_batch(step, rank), rank))
+        before = utils.safe_get_full_grad(model.inp.weight)
+        utils.safe_update_full_grad_vectorized(list(model.parameters()), lambda g, p: 2 * g)
+        utils.safe_update_full_grad_vectorized(list(model.parameters()), lambda g, p: g / 2)
+        out["doubled"].append(torch.equal(utils.safe_get_full_grad(model.inp.weight), before))
+        engine.step()
+    out["state"] = engine.consolidated_state_dict()
+    engine.close()
+    frozen = make_model(0)
+    frozen.norm.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=frozen, config=config(3, False))
+    out["frozen_gets"] = [utils.safe_get_full_fp32_param(frozen.norm.weight),
+                          utils.safe_get_full_optimizer_state(frozen.norm.weight, "exp_avg"),
+                          utils.safe_get_local_fp32_param(frozen.norm.weight)]
+    try:
+        utils.safe_set_full_fp32_param(frozen.norm.weight, torch.zeros(HIDDEN))
+    except ValueError as err:
+        out["frozen_set"] = str(err)
+    engine.close()
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        built = nn.Sequential(nn.Linear(4, 4)).cpu().to(torch.float32)  # moves that move nothing
+    try:
+        built.to(torch.float64)
+    except Exception as err:  # noqa: BLE001 (the type is what the test reads)
+        out["real_move"] = type(err).__name__
+    engine, *_ = deepspeed.initialize(model=built, config=cfg)
+    out["engine_cpu"] = engine.module.cpu() is engine.module
+    engine.close()
+    return out
+
+
 def scenario(rank: int, world: int) -> dict:
     zeropp.install_deepspeed_alias()
     comm = comm_calls(rank, world)
@@ -295,6 +356,7 @@ def scenario(rank: int, world: int) -> dict:
     out["engine"] = engine_module(rank)
     out["writes"] = gathered_writes(rank)
     out["unused"] = unused(rank)
+    out["partly"] = partly_used(rank)
     out["comm"] = comm
     return out
 
@@ -445,3 +507,27 @@ def test_deepspeed_comm_runs_collectives_and_tallies_them():
         assert c["log"]["all_reduce"] == {"calls": calls, "bytes": 16 + 4 * (calls - 1)}
         assert c["log"]["all_gather_into_tensor"] == {"calls": 1, "bytes": 8}
         assert c["count"] == calls + 3  # all_reduce(s), broadcast, all_gather_into_tensor, barrier
+
+
+def test_ranks_using_different_children_of_a_leaf_train_on_the_mean_gradient():
+    """One process: SGD on the mean of the two ranks' losses, each computed with the child its rank picks."""
+    torch.manual_seed(0)
+    ref = ByRank()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        sum(ref(by_rank_batch(step, r), r) for r in range(WORLD)).div(WORLD).backward()
+        opt.step()
+    for res in results():
+        got = res["partly"]
+        assert got["doubled"] == [True] * 3  # safe_update_full_grad_vectorized wrote each update
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got["state"][name], p.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_frozen_parameters_have_no_fp32_state_and_moves_that_move_nothing_pass():
+    for res in results():
+        got = res["partly"]
+        assert got["frozen_gets"] == [None, None, None]  # as DeepSpeed: frozen at initialize, nothing trained
+        assert "norm.weight" in got["frozen_set"] and "frozen at initialize" in got["frozen_set"]
+        assert got["real_move"] == "ParameterAccessError" and got["engine_cpu"]

@@ -18,6 +18,7 @@ METADATA = frozenset({
     "nelement", "ndimension", "element_size", "is_floating_point", "is_complex", "is_contiguous", "stride",
     "get_device", "__len__", "__hash__", "requires_grad_", "retain_grad", "register_hook",
     "register_post_accumulate_grad_hook", "_backward_hooks", "_post_accumulate_grad_hooks",
+    "_has_compatible_shallow_copy_type",  # nn.Module._apply compares tensor types: no element read
 })
 # calls that read where a parameter's storage is, not its elements: harmless on a released one
 STORAGE_INFO = frozenset({"untyped_storage", "data_ptr", "storage_offset", "is_pinned", "is_shared"})

@@ -162,6 +162,9 @@ def plan_units(model: nn.Module, granularity: str = "module") -> list[UnitPlan]:
     """Group the model's unique parameters into gather units, in module definition order."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"gather granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if is_leaf(model):  # the whole model marked a leaf (DeepSpeed's tests do it): one unit of everything
+        unique = list(model.named_parameters())  # each parameter once, under its first name
+        return [UnitPlan("", model, unique)] if unique else []
     blocks = block_names(model) if granularity == "block" else []
     leaves = [name for name, mod in model.named_modules() if is_leaf(mod) and name]
     own = [name for name, mod in model.named_modules() if _OWN_UNITS.get(mod, False) and name]
