@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import tempfile
 
 import pytest
 import torch
@@ -322,6 +324,18 @@ def partly_used(rank: int) -> dict:
         out["doubled"].append(torch.equal(utils.safe_get_full_grad(model.inp.weight), before))
         engine.step()
     out["state"] = engine.consolidated_state_dict()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    ckpt = f"{tempfile.gettempdir()}/zeropp-ds-fp32-{os.environ['MASTER_PORT']}"  # the same on both ranks
+    engine.save_checkpoint(ckpt)
+    torch.distributed.barrier()
+    out["from_checkpoint"] = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    engine.close()
+    plain = make_model(0)
+    engine, *_ = deepspeed.initialize(model=plain, config=config(2, False))
+    engine.empty_partition_cache()  # stage 2: the weights are resident, nothing to free
+    engine.backward(ds_loss(engine, *ds_batch(0, rank)))
+    engine.step()
+    out["stage2_after_empty_cache"] = math.isfinite(ds_loss(engine, *ds_batch(1, rank)).item())
     engine.close()
     frozen = make_model(0)
     frozen.norm.requires_grad_(False)
@@ -521,6 +535,9 @@ def test_ranks_using_different_children_of_a_leaf_train_on_the_mean_gradient():
     for res in results():
         got = res["partly"]
         assert got["doubled"] == [True] * 3  # safe_update_full_grad_vectorized wrote each update
+        assert got["from_checkpoint"].keys() == got["state"].keys() and got["stage2_after_empty_cache"]
+        for name, value in got["state"].items():  # deepspeed.utils.zero_to_fp32 reads the saved masters
+            assert torch.equal(got["from_checkpoint"][name], value), name
         for name, p in ref.named_parameters():
             torch.testing.assert_close(got["state"][name], p.detach(), rtol=1e-5, atol=1e-7)
 

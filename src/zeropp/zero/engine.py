@@ -912,7 +912,10 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
 
     def free_gathered(self) -> None:
         """Free every gathered unit now, persistent ones included (the next use gathers them again); between
-        passes only. DeepSpeed's ``empty_partition_cache``."""
+        passes only. DeepSpeed's ``empty_partition_cache``. Below stage 3 the weights are resident, not
+        gathered: nothing to free."""
+        if not self.plan.shards_weights:
+            return
         if self._backward_open or (self.use is not None and self.use.active) or self._held_whole:
             raise RuntimeError("free_gathered (empty_partition_cache): call it between steps, not inside a forward, "
                                "a backward or a GatheredParameters / held_whole block")

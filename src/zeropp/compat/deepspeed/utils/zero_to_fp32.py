@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zeropp.checkpoint import consolidate
+from zeropp.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint as fp32_state_dict
 from zeropp.checkpoint.consolidate import write_state_dict
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
@@ -23,7 +23,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
         from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
         raise DeepSpeedAPIError("get_fp32_state_dict_from_zero_checkpoint(exclude_frozen_parameters=..., lazy_mode=...) "
                                 "is not implemented by zeropp yet")
-    return consolidate.get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    return fp32_state_dict(checkpoint_dir, tag)
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str,
