@@ -189,6 +189,18 @@ def test_a_trainer_checkpoint_resumes_the_run_exactly(world: list[dict]) -> None
         {s: r["losses"][s] for s in range(SAVE_AT + 1, STEPS + 1)}
 
 
+def test_push_to_hub_uploads_the_directory_save_model_writes(world: list[dict]) -> None:
+    """Through a local stand-in for the Hub's API: what is pushed loads with from_pretrained to the engine's
+    fp32 weights."""
+    from transformers import AutoModelForCausalLM
+    repo, state = world[0]["pushed"]
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(repo))
+    model = AutoModelForCausalLM.from_pretrained(repo)
+    got = model.state_dict()
+    for name, value in state.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_settings_that_contradict_the_trainer_fail_before_any_collective(world: list[dict]) -> None:
     errors = world[0]["errors"]
     assert errors["precision"].startswith("TrainerConfigMismatch") \

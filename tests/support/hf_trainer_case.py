@@ -10,8 +10,11 @@ returns what the tests compare.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import os
+import shutil
+import types
 from typing import Any
 
 import torch
@@ -124,7 +127,46 @@ def run(rank: int, world: int, root: str) -> dict:
     result["parity_compiled"] = (_history(compiled), compiled.engine.is_compiled)
     result["parity_epoch"] = _history(parity_trainer(os.path.join(root, "parity3"), data, zeropp=True, epoch=True))
     result["errors"] = errors(root, data)
+    result["pushed"] = pushed(root, data)
     return result
+
+
+class LocalHub:
+    """The Hugging Face Hub API as the Trainer calls it (``create_repo``, ``upload_folder``), writing into a
+    local directory: the tests have no network."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def create_repo(self, repo_id: str, **_: Any) -> Any:
+        return types.SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, repo_id: str, folder_path: str, ignore_patterns: Any = None, run_as_future: bool = False,
+                      **_: Any) -> Any:
+        shutil.copytree(folder_path, os.path.join(self.root, repo_id), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(*(ignore_patterns or [])))
+        if not run_as_future:
+            return None
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+
+
+def pushed(root: str, data: Any) -> tuple[str, Any]:
+    """``push_to_hub=True`` and ``trainer.push_to_hub()`` on every rank: (the pushed repo's directory, the
+    engine's consolidated weights on rank 0)."""
+    import transformers.trainer
+    from zeropp.hf import ZeroppTrainer
+
+    hub = LocalHub(os.path.join(root, "hub"))
+    transformers.trainer.hf_api = lambda: hub
+    args = training_args(os.path.join(root, "push"), push_to_hub=True, hub_model_id="local/zeropp-push",
+                         save_strategy="no", max_steps=2)
+    trainer = ZeroppTrainer(model=tiny_gpt2(seed=0), args=args, train_dataset=data, zeropp_config=copy.deepcopy(CONFIG))
+    trainer.train()
+    trainer.push_to_hub()  # saves on every rank (collective), uploads from rank 0
+    state = trainer.engine.consolidated_state_dict()
+    return os.path.join(hub.root, "local/zeropp-push"), (state if trainer.is_world_process_zero() else None)
 
 
 # fp32 parity with a plain single-process Trainer: ZeRO-3 + hpZ (exact), the Trainer's own optimizer (AdamW with

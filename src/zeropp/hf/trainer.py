@@ -61,7 +61,6 @@ _UNSUPPORTED_ARGUMENTS = (
     ("parallelism_config", "zeropp partitions over data-parallel ranks only (no tensor, context or sequence "
                            "parallelism)"),
     ("auto_find_batch_size", "not supported yet (the engine's batch size is fixed when it is built)"),
-    ("push_to_hub", "not supported yet with zeropp (save with save_model and upload the directory)"),
     ("save_on_each_node", "not supported yet (zeropp checkpoints assume storage every rank can read)"),
 )
 
