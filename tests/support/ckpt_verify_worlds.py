@@ -171,6 +171,7 @@ def _full_disk(engine: Any, rank: int, world: int, save_dir: str, good_state: di
             res["latest"] = f.read()
         res["listing"] = sorted(os.listdir(save_dir))
         out[point] = res
+    dist.barrier()  # every rank listed the directory before rank 0 clears it (a slow rank saw it cleared)
     _on_rank0(rank, lambda: shutil.rmtree(os.path.join(save_dir, "next")))  # complete: left by the `latest` fault
     with _failing_rename(rank, ".good.tmp-"):  # re-saving `good`: the old one is aside when this fails
         res = outcome(lambda: engine.save_checkpoint(save_dir, tag="good"))
