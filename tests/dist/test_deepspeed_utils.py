@@ -347,6 +347,10 @@ def partly_used(rank: int) -> dict:
         utils.safe_set_full_fp32_param(frozen.norm.weight, torch.zeros(HIDDEN))
     except ValueError as err:
         out["frozen_set"] = str(err)
+    try:
+        utils.safe_set_local_fp32_param(frozen.norm.weight, torch.zeros(HIDDEN // WORLD))
+    except ValueError as err:
+        out["frozen_set_local"] = str(err)
     engine.close()
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         built = nn.Sequential(nn.Linear(4, 4)).cpu().to(torch.float32)  # moves that move nothing
@@ -546,5 +550,6 @@ def test_frozen_parameters_have_no_fp32_state_and_moves_that_move_nothing_pass()
     for res in results():
         got = res["partly"]
         assert got["frozen_gets"] == [None, None, None]  # as DeepSpeed: frozen at initialize, nothing trained
-        assert "norm.weight" in got["frozen_set"] and "frozen at initialize" in got["frozen_set"]
+        for key in ("frozen_set", "frozen_set_local"):
+            assert "norm.weight" in got[key] and "frozen at initialize" in got[key], got.get(key)
         assert got["real_move"] == "ParameterAccessError" and got["engine_cpu"]

@@ -27,7 +27,8 @@ logger = logging.getLogger("deepspeed")
 
 __all__ = [
     "logger", "log_dist", "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
-    "safe_set_full_grad", "safe_update_full_grad_vectorized", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
+    "safe_set_full_grad", "safe_update_full_grad_vectorized", "safe_get_full_optimizer_state",
+    "safe_set_full_optimizer_state",
     "safe_get_local_fp32_param", "safe_set_local_fp32_param", "safe_get_local_grad", "safe_set_local_grad",
     "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "set_z3_leaf_modules",
     "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "set_z3_leaf_module",
@@ -48,16 +49,23 @@ def _trained(param: torch.Tensor) -> Optional[ps.Located]:
     return loc if loc is not None and loc.slot.trainable else None
 
 
-def _local(param: torch.Tensor, what: str) -> Optional[ps.Located]:
+def _managed(param: torch.Tensor, what: str) -> ps.Located:
     loc = ps.locate(param)
     if loc is None:
         raise ValueError(f"{what}: the parameter (shape {tuple(param.shape)}) is not managed by a zeropp engine; "
                          "the local API is defined for parameters after zeropp.initialize")
+    return loc
+
+
+def _local(param: torch.Tensor, what: str) -> Optional[ps.Located]:
+    """This rank's part of a managed parameter (unmanaged: an error); None for one frozen at initialize."""
+    loc = _managed(param, what)
     return loc if loc.slot.trainable else None
 
 
 def _writable(param: torch.Tensor, what: str, local: bool = False) -> Optional[ps.Located]:
-    loc = _local(param, what) if local else ps.locate(param)
+    """Where a write goes; a frozen parameter is refused by name (``local``: an unmanaged one too)."""
+    loc = _managed(param, what) if local else ps.locate(param)
     if loc is not None and not loc.slot.trainable:
         raise ValueError(f"{what}: parameter {loc.slot.name!r} was frozen at initialize, so it has no fp32 master, "
                          "gradient or optimizer state to write; change a frozen weight inside "
