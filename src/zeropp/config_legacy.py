@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from zeropp.config_models import as_flag
+
 # Top-level keys that DeepSpeed's config reader never looks at (so they have no effect there either).
 IGNORED_BY_DEEPSPEED = {
     "monitor_config": "DeepSpeed reads the top-level tensorboard, wandb, csv_monitor and comet sections",
@@ -29,17 +31,12 @@ IGNORED_BY_DEEPSPEED = {
 }
 
 
-def _flag(value: Any) -> Any:
-    """DeepSpeed's configs write bools as `1`/`0` too."""
-    return bool(value) if type(value) is int and value in (0, 1) else value
-
-
 def _enabled_off(value: Any) -> bool:
-    return isinstance(value, Mapping) and _flag(value.get("enabled", False)) is False
+    return isinstance(value, Mapping) and as_flag(value.get("enabled", False)) is False
 
 
 def _falsy(value: Any) -> bool:
-    return value is None or _flag(value) is False
+    return value is None or as_flag(value) is False
 
 
 # DeepSpeed features zeropp lacks: key -> (what it is, "is it off?"). Off sections load; on ones are refused.
@@ -142,7 +139,7 @@ def _offload_flags(zero: dict[str, Any], out: Translation) -> dict[str, Any]:
     for old, new in _OFFLOAD_FLAGS:
         if old not in zero:
             continue
-        value = _flag(zero.pop(old))
+        value = as_flag(zero.pop(old))
         if new in zero:
             out.errors.append(f"zero_optimization.{old}: given beside zero_optimization.{new} (its deprecated "
                               "form); accepted: one of them")
@@ -155,7 +152,7 @@ def _offload_flags(zero: dict[str, Any], out: Translation) -> dict[str, Any]:
         out.notes.append(f"zero_optimization.{old}: DeepSpeed's deprecated flag, read as zero_optimization.{new}"
                          + (" {\"device\": \"cpu\"}" if value is True else " left out"))
     if "cpu_offload_use_pin_memory" in zero:
-        pin = _flag(zero.pop("cpu_offload_use_pin_memory"))
+        pin = as_flag(zero.pop("cpu_offload_use_pin_memory"))
         if pin not in (True, False, None):
             out.errors.append(f"zero_optimization.cpu_offload_use_pin_memory: expected true or false, got "
                               f"{json_short(pin)}; accepted: true or false")

@@ -85,12 +85,12 @@ def _pair(value: Any) -> Any:
     return tuple(value)
 
 
-def _flag(value: Any) -> Any:
+def as_flag(value: Any) -> Any:
     """`1` and `0` as `true` and `false`; anything else (a string, `2`, `1.0`) is left to strict validation."""
     return bool(value) if type(value) is int and value in (0, 1) else value
 
 
-DSBool = Annotated[bool, BeforeValidator(_flag)]
+DSBool = Annotated[bool, BeforeValidator(as_flag)]
 """A bool that may be written `1`/`0`, as DeepSpeed's configs do (`"true"` and `2` stay errors)."""
 DSInt = Annotated[int, BeforeValidator(_integral)]
 """An integer that may be written `5e8` (an integral float), as in DeepSpeed's configs."""

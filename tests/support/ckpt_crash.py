@@ -19,8 +19,8 @@ def run_crashing_world(fn: Callable, world: int, *args: Any, ranks_per_node: int
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = _context(None)
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, ranks_per_node or world, port, out_dir, fn, args,
-                                                   _parent()))
+        parent = _parent()
+        procs = [ctx.Process(target=_worker, args=(r, world, ranks_per_node or world, port, out_dir, fn, args, parent))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -6,8 +6,8 @@ its worker function runs every scenario, returning plain results for the tests t
 Ranks are forked from a fork server that imported torch and zeropp once per test session (about 0.1 s for a
 world of 4, against 7-8 s when every rank imports them itself). A rank takes the test process's environment,
 working directory and stdout/stderr as they are when the world starts, and runs the exit handlers a spawned
-interpreter would run. A world given ``env`` (settings read before Python
-runs, such as glibc's malloc tunables) is spawned, each rank a fresh interpreter.
+interpreter would run. A world given ``env`` (settings read before Python runs, such as glibc's malloc
+tunables) is spawned, each rank a fresh interpreter.
 """
 from __future__ import annotations
 

@@ -332,17 +332,17 @@ class ParamUse:
     # ---- between the passes (Note [reads between passes] in idle_watch.py) --------------------------------
     def check_idle(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Outside the passes: refuse a call that would read a released parameter's elements."""
-        if self._active or is_noop(call_name(func), args, kwargs):  # engine.module.cpu() on the CPU
+        if self._active:
             return
         for a, _ in call_args(args, kwargs):
-            self._check_idle_arg(func, a)
+            self._check_idle_arg(func, a, args, kwargs)
 
-    def _check_idle_arg(self, func: Any, a: Any) -> None:
+    def _check_idle_arg(self, func: Any, a: Any, args: tuple, kwargs: dict) -> None:
         hit = self._slot.get(id(a))
         if hit is None or hit[0].state is not UnitState.SHARDED:
             return
         name = call_name(func)
-        if name in METADATA or name in STORAGE_INFO:
+        if name in METADATA or name in STORAGE_INFO or is_noop(name, args, kwargs):  # engine.module.cpu() on CPU
             return
         unit, slot = hit
         raise ParameterAccessError(
