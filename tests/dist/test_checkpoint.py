@@ -165,6 +165,31 @@ def test_elastic_resume_from_four_ranks(root, world):
         assert not torch.equal(got["stepped"][k], saved[k]), f"{k} did not move"
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage0_checkpoints_load_into_stage3_and_back(root, world):
+    """Note [stage 0 checkpoints]: a stage-0 tag (every rank's file whole) re-shards into stage 3 on another
+    world size, and a stage-3 tag loads whole into stage 0, each bit for bit."""
+    got = elastic_on(root, world)["across_stages"]
+    _assert_same_state(got["into_stage3"], first(root)[0]["stage0"]["saved_state"])
+    _assert_same_state(got["into_stage0"], first(root)[0]["zero3"]["saved_state"])
+    assert got["stage0_steps"] == N
+    full = load_full_checkpoint(os.path.join(root, "zero3"), tag=f"global_step{N}", with_optimizer=True)
+    for name, t in got["stage0_moments"].items():
+        assert torch.equal(t, full.optimizer[name]["exp_avg"].flatten()), name
+
+
+def test_a_stage0_checkpoint_holds_the_whole_state_in_every_file(root):
+    first(root)
+    with open(os.path.join(root, "stage0", f"global_step{N}", MANIFEST)) as f:
+        m = json.load(f)
+    assert m["engine"]["stage"] == 0 and len(m["shards"]) == 4
+    embed = next(p for p in m["params"] if p["name"] == "embed.weight")
+    assert embed["chunk"] >= embed["numel"] == 91
+    consolidated = load_full_checkpoint(os.path.join(root, "stage0"), tag=f"global_step{N}")
+    _assert_same_state({k: consolidated.state_dict[k] for k in first(root)[0]["stage0"]["saved_state"]},
+                       first(root)[0]["stage0"]["saved_state"])
+
+
 # ---- crash safety ----------------------------------------------------------------------------------------
 def test_sigkill_in_the_middle_of_a_save_keeps_the_previous_tag(root):
     codes, save_dir, expected = crashed(root)

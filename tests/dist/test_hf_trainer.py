@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from support.hf_trainer_case import (  # noqa: E402
-    BLOCK, SAVE_AT, STEPS, corpus_windows, reference_parity, reference_parity_again, run, tiny_gpt2,
+    BLOCK, PLATEAU, SAVE_AT, STEPS, corpus_windows, reference_parity, reference_parity_again, run, tiny_gpt2,
 )
 from support.world import run_world  # noqa: E402
 
@@ -97,6 +97,34 @@ def test_a_second_train_continues_as_the_plain_trainers(world: list[dict], tmp_p
         assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
         assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"
         assert g[2] == pytest.approx(w[2], rel=1e-12), f"step {step} learning_rate"
+
+
+def _same_history(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
+        assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"
+        assert g[2] == pytest.approx(w[2], rel=1e-12), f"step {step} learning_rate"
+
+
+def test_model_init_builds_a_new_model_and_engine_for_each_train(world: list[dict], tmp_path: Path) -> None:
+    """``model_init`` (what hyperparameter search uses): each ``train()`` starts from a new model, so both runs
+    equal the plain Trainer's first run, and the second ran on a new engine over the new model."""
+    first, again, new_engine = world[0]["model_init"]
+    want = reference_parity(str(tmp_path), False)
+    _same_history(first, want)
+    _same_history(again, want)
+    assert new_engine
+
+
+def test_reduce_lr_on_plateau_steps_with_the_eval_metric_and_resumes(world: list[dict], tmp_path: Path) -> None:
+    """``lr_scheduler_type="reduce_lr_on_plateau"``: the Trainer steps it with each evaluation's loss, over the
+    engine's optimizer, at stage 0 with Trainer checkpoints: the same losses, norms and halved rates as the
+    plain Trainer; a resume from step 2 restores the schedule's state and continues as the first run did."""
+    first, resumed, rates = world[0]["plateau"]
+    _same_history(first, reference_parity(str(tmp_path), False, **PLATEAU))
+    assert rates[0] == rates[1] == pytest.approx(2 * rates[2]) == pytest.approx(4 * rates[3])  # halved from eval 2
+    assert len(resumed) == 4 and resumed[2:] == first[2:]  # steps 1-2 are the checkpoint's own log
 
 
 def test_torch_compile_trains_through_the_engine_as_eager(world: list[dict]) -> None:

@@ -34,15 +34,17 @@ VARIANTS = {
     "gas2": {**config(16), "gradient_accumulation_steps": 2, "scheduler": SCHED, **TWO_NODES},
     "stage1": {**config(GB), "scheduler": SCHED, **TWO_NODES},
     "stage2": {**config(GB), "bf16": {"enabled": True}, "scheduler": SCHED, **TWO_NODES},
+    # every rank holds the whole state and writes it (Note [stage 0 checkpoints])
+    "stage0": {**config(GB, stage=0), "scheduler": SCHED, **TWO_NODES},
     # a high initial scale overflows and is halved before the save: the resume must continue from it
     "fp16": {**config(GB), "scheduler": SCHED, **TWO_NODES,
              "fp16": {"enabled": True, "initial_scale_power": 22, "hysteresis": 1}},
 }
 VARIANTS["stage1"]["zero_optimization"] = {**VARIANTS["stage1"]["zero_optimization"], "stage": 1}
 VARIANTS["stage2"]["zero_optimization"] = {**VARIANTS["stage2"]["zero_optimization"], "stage": 2}
-MICRO_GLOBAL = {"zero3": GB, "zeropp": GB, "gas2": 8, "stage1": GB, "stage2": GB, "fp16": GB}
+MICRO_GLOBAL = {"zero3": GB, "zeropp": GB, "gas2": 8, "stage1": GB, "stage2": GB, "stage0": GB, "fp16": GB}
 MICRO_STEPS = {"zero3": (N, M), "zeropp": (N, M), "gas2": (3, 3),  # gas2 saves after 1.5 optimizer steps
-               "stage1": (N, M), "stage2": (N, M), "fp16": (N, M)}
+               "stage1": (N, M), "stage2": (N, M), "stage0": (N, M), "fp16": (N, M)}
 
 
 def run_steps(engine: Any, rank: int, world: int, start: int, count: int, micro_global: int,
@@ -156,11 +158,27 @@ def elastic(rank: int, world: int, root: str, crash_dir: Optional[str]) -> Optio
     stepped = engine.consolidated_state_dict()
     out = {"loaded": loaded, "moments": moments, "steps": steps, "lr": lr, "counters": counters,
            "stepped": stepped, "client_state": client_state, "path": path}
+    out["across_stages"] = across_stages(root, world)
     if crash_dir is not None:
         survivor = _engine(CRASH_CFG, seed=5)
         out["crash_path"], _ = survivor.load_checkpoint(crash_dir)
         out["crash_state"] = survivor.consolidated_state_dict()
     return out if rank == 0 else None
+
+
+def across_stages(root: str, world: int) -> dict:
+    """The 4-rank stage-0 checkpoint into stage 3, and the 4-rank stage-3 checkpoint into stage 0, on this
+    world: the consolidated weights, and stage 0's whole Adam moments, after the load."""
+    topology = {"topology": {"ranks_per_node": 1 if world == 2 else world}}
+    sharded = _engine({**config(GB), "scheduler": SCHED, **topology}, seed=8)
+    sharded.load_checkpoint(os.path.join(root, "stage0"), tag=f"global_step{N}")
+    whole = _engine({**config(GB, stage=0), "scheduler": SCHED, **topology}, seed=9)
+    whole.load_checkpoint(os.path.join(root, "zero3"), tag=f"global_step{N}")
+    state = whole.optimizer.state
+    moments = {slot.name: state[view]["exp_avg"][: slot.spec.numel].clone()
+               for u in whole.units for slot, view in zip(u.slots, u.master_views())}
+    return {"into_stage3": sharded.consolidated_state_dict(), "into_stage0": whole.consolidated_state_dict(),
+            "stage0_moments": moments, "stage0_steps": whole.global_steps}
 
 
 CRASH_CFG = {**config(4), "scheduler": SCHED}

@@ -126,6 +126,8 @@ def run(rank: int, world: int, root: str) -> dict:
                               torch_compile_backend="aot_eager")
     result["parity_compiled"] = (_history(compiled), compiled.engine.is_compiled)
     result["parity_epoch"] = _history(parity_trainer(os.path.join(root, "parity3"), data, zeropp=True, epoch=True))
+    result["model_init"] = model_init_runs(root, data)
+    result["plateau"] = plateau_runs(root, data)
     result["errors"] = errors(root, data)
     result["pushed"] = pushed(root, data)
     return result
@@ -181,11 +183,19 @@ PARITY_CONFIG = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}
 EPOCH_ROWS, EPOCH_GAS = 80, 4
 
 
+# ReduceLROnPlateau stepped by the Trainer with the eval loss after every step: mode "max" with no patience
+# halves the rate at every evaluation whose loss is not a new maximum, i.e. from the second on
+PLATEAU = dict(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps", eval_steps=1,
+               metric_for_best_model="eval_loss", lr_scheduler_kwargs={"mode": "max", "patience": 0, "factor": 0.5})
+
+
 def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = False, epoch: bool = False,
-                   **extra: Any) -> Any:
+                   model_init: bool = False, zeropp_config: Any = None, train: bool = True, **extra: Any) -> Any:
     """``batch_mean_loss``: the model is not handed the accumulated token count, so each micro-batch's loss is
     its own mean and the Trainer's rule divides it by the accumulation steps (the engine does, here).
-    ``epoch``: one epoch of ``EPOCH_ROWS`` rows whose last window is shorter."""
+    ``epoch``: one epoch of ``EPOCH_ROWS`` rows whose last window is shorter. ``model_init``: the model comes
+    from ``model_init`` (a new one at each ``train()``). An ``eval_strategy`` in ``extra`` evaluates on 16
+    rows."""
     import transformers
     from zeropp.hf import ZeroppTrainer
 
@@ -196,16 +206,43 @@ def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = Fa
         max_steps=PARITY_STEPS)
     if epoch:
         data = torch.utils.data.Subset(data, range(EPOCH_ROWS))
-    args = training_args(out, bf16=False, warmup_steps=1, weight_decay=0.1, lr_scheduler_type="linear",
-                         save_strategy="no", train_sampling_strategy="sequential", **length, **batch, **extra)
+    kw: dict[str, Any] = dict(bf16=False, warmup_steps=1, weight_decay=0.1, lr_scheduler_type="linear",
+                              save_strategy="no", train_sampling_strategy="sequential")
+    kw.update(length, **batch, **extra)
+    args = training_args(out, **kw)
+    model = dict(model_init=lambda: tiny_gpt2(seed=2)) if model_init else dict(model=tiny_gpt2(seed=2))
+    given = dict(train_dataset=data, eval_dataset=corpus_windows(16) if "eval_strategy" in extra else None)
     if zeropp:
-        trainer = ZeroppTrainer(model=tiny_gpt2(seed=2), args=args, train_dataset=data,
-                                zeropp_config=copy.deepcopy(PARITY_CONFIG))
+        trainer = ZeroppTrainer(args=args, **model, **given, zeropp_config=copy.deepcopy(zeropp_config or PARITY_CONFIG))
     else:
-        trainer = transformers.Trainer(model=tiny_gpt2(seed=2), args=args, train_dataset=data)
+        trainer = transformers.Trainer(args=args, **model, **given)
     trainer.model_accepts_loss_kwargs = not batch_mean_loss
-    trainer.train()
+    if train:
+        trainer.train()
     return trainer
+
+
+STAGE0_CONFIG = {"zero_optimization": {"stage": 0}}
+
+
+def model_init_runs(root: str, data: Any) -> tuple[list, list, bool]:
+    """``model_init``: two ``train()`` calls, each on a new model and a new engine (histories, engine replaced)."""
+    trainer = parity_trainer(os.path.join(root, "init"), data, zeropp=True, model_init=True)
+    first, engine = _history(trainer), trainer.engine
+    trainer.train()
+    return first, _history(trainer), trainer.engine is not engine and trainer.engine.module is trainer.model
+
+
+def plateau_runs(root: str, data: Any) -> tuple[list, list, list]:
+    """ReduceLROnPlateau at stage 0 with Trainer checkpoints every 2 steps; a second trainer resumes from
+    the one at step 2. (histories of both, the learning rate logged at each step of the first)"""
+    out = os.path.join(root, "plateau")
+    first = parity_trainer(out, data, zeropp=True, zeropp_config=STAGE0_CONFIG, save_strategy="steps",
+                           save_steps=2, **PLATEAU)
+    resumed = parity_trainer(os.path.join(root, "plateau_resumed"), data, zeropp=True, zeropp_config=STAGE0_CONFIG,
+                             train=False, **PLATEAU)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    return _history(first), _history(resumed), [h[2] for h in _history(first)]
 
 
 def _history(trainer: Any) -> list[tuple[float, float, float]]:
@@ -213,10 +250,12 @@ def _history(trainer: Any) -> list[tuple[float, float, float]]:
     return [(h["loss"], float(h["grad_norm"]), h["learning_rate"]) for h in trainer.state.log_history if "loss" in h]
 
 
-def reference_parity(root: str, batch_mean_loss: bool, epoch: bool = False) -> list[tuple[float, float, float]]:
+def reference_parity(root: str, batch_mean_loss: bool, epoch: bool = False, **extra: Any
+                     ) -> list[tuple[float, float, float]]:
     """The plain Trainer's run in this (non-distributed) process."""
-    return _history(parity_trainer(os.path.join(root, f"reference{int(batch_mean_loss)}{int(epoch)}"),
-                                   corpus_windows(), zeropp=False, batch_mean_loss=batch_mean_loss, epoch=epoch))
+    return _history(parity_trainer(os.path.join(root, f"reference{int(batch_mean_loss)}{int(epoch)}{len(extra)}"),
+                                   corpus_windows(), zeropp=False, batch_mean_loss=batch_mean_loss, epoch=epoch,
+                                   **extra))
 
 
 def reference_parity_again(root: str) -> tuple[list[tuple[float, float, float]], list[tuple[float, float, float]]]:

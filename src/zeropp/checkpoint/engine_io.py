@@ -1,4 +1,4 @@
-"""Save and load a stage-3 engine's training state: one shard file per rank plus rank 0's manifest.
+"""Save and load an engine's training state (stages 0-3): one shard file per rank plus rank 0's manifest.
 
 Called through :class:`CheckpointingEngine` (the engine ``zeropp.initialize`` returns: ``ZeroEngine``
 plus ``save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``); every rank must call them together.
@@ -88,6 +88,19 @@ def _params(engine: ZeroEngine, writing: bool = True) -> list[_Param]:
             out.append(_Param(slot.name, aliases.get(id(slot.param), [slot.name]), tuple(slot.spec.shape),
                               slot.spec.numel, u.index, slot.spec.chunk, master, grad, opt_index.get(id(master))))
     return out
+
+
+# Note [stage 0 checkpoints]
+# Stage 0 cuts nothing: every rank holds every master and the whole optimizer state, i.e. a chunk as large as the
+# (padded) parameter. Each rank still writes its own shard file (its RNG and client state are its own), so a
+# same-world resume is the usual one, file per rank. Read as a sharded layout, such a file's chunk starts at
+# rank * chunk >= numel for every rank but 0, so rank 0's file alone covers every element: re-sharding into
+# stages 1-3, or consolidating, reads the right values with no special case. The other way, a stage-0 engine
+# takes the whole parameter, range (0, chunk), from any checkpoint; a layout change always goes through the
+# re-sharding path, even on the same world size, since the shard files' chunks differ from the engine's.
+def _sharded(engine: ZeroEngine) -> bool:
+    """Whether the engine cuts its masters and optimizer state over the ranks (stages 1-3, not stage 0)."""
+    return bool(engine.plan.shards_optimizer)
 
 
 def _buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
@@ -187,7 +200,7 @@ def _manifest(engine: ZeroEngine, tag: str, params: list[_Param], shards: list[W
         "created_unix": time.time(),
         "config": _config_json(engine),
         "engine": {
-            "stage": 3,
+            "stage": 3 if _sharded(engine) else 0,  # 0: every shard file holds the whole state (Note [stage 0])
             "compute_dtype": str(policy.compute_dtype).removeprefix("torch."),
             "gradient_accumulation_steps": policy.gradient_accumulation_steps,
             "gradient_clipping": policy.gradient_clipping,
@@ -329,6 +342,7 @@ def _read_same_world(manifest: Manifest, rank: int, params: list[_Param]) -> _Lo
 
 
 def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_optimizer: bool) -> _Loaded:
+    """``rank``: the engine's rank among the ranks that cut the state (0 in stage 0's group of one)."""
     check_reshardable(manifest, with_optimizer)
     ranges = {p.name: (rank * p.chunk, p.chunk) for p in params}
     got = read_ranges(manifest, ranges, with_optimizer)
@@ -412,10 +426,12 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
         if rank == 0:  # the listing and every file's size, once; each rank checks what it opens itself
             check_files(manifest)
         check_model(manifest, params, type(engine.optimizer).__name__ if with_optimizer else None)
-        if manifest.world_size == engine.topo.world_size:
+        saved_sharded = manifest.raw["engine"].get("stage", 3) != 0
+        if manifest.world_size == engine.topo.world_size and saved_sharded == _sharded(engine):
             loaded, source = _read_same_world(manifest, rank, params), manifest.shard_path(rank)
-        else:  # buffers, param groups and scalars come from rank 0's file
-            loaded, source = _read_resharded(manifest, params, rank, with_optimizer), manifest.shard_path(0)
+        else:  # buffers, param groups and scalars come from rank 0's file (Note [stage 0 checkpoints])
+            shard_rank = rank if _sharded(engine) else 0
+            loaded, source = _read_resharded(manifest, params, shard_rank, with_optimizer), manifest.shard_path(0)
         check_buffers(loaded.buffers, source, _buffers(engine))
         if not what.module_only:
             loaded.reduce_state = _reduce_state(engine, manifest, rank, params, loaded.reduce_state)
@@ -472,7 +488,6 @@ class CheckpointingEngine(ZeroEngine):
 
         Returns the tag directory; ``save_dir/latest`` names it once every rank's shard is on disk.
         """
-        self._check_checkpointable()
         self.join_update()
         with self.residency.resident(self.units, dirty=False):  # NVMe: the rank's whole state, read back
             return save_checkpoint(self, save_dir, tag, client_state, save_latest)
@@ -491,16 +506,10 @@ class CheckpointingEngine(ZeroEngine):
         if not load_module_strict or custom_load_fn is not None:
             raise DeepSpeedAPIError("load_checkpoint: load_module_strict=False and custom_load_fn are not "
                                     "implemented by zeropp yet (a checkpoint always restores every parameter)")
-        self._check_checkpointable()
         self.join_update()
         with self.residency.resident(self.units):  # NVMe: in memory while loading, written back after
             return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                    load_module_only)
-
-    def _check_checkpointable(self) -> None:
-        if not self.plan.shards_optimizer:
-            raise CheckpointError("save_checkpoint/load_checkpoint: stage 0 (every rank holds the whole optimizer "
-                                  "state) is not supported yet; use stage 1, 2 or 3, or consolidated_state_dict()")
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
         """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""

@@ -119,7 +119,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{meta.get('code_sha256_12', '-')} (the copy every rank imported)  ",
              f"Model: GPT {meta['parameters']:,} parameters ({meta['model']}), micro-batch {meta['micro_batch']} "
              f"x {meta['model']['block_size']} tokens per rank, {_buckets(meta.get('bucket_elements', 5_000_000))} "
-             f"gradient buckets, bf16, AdamW, {meta['warmup']} warm-up + "
+             f"gradient buckets, {meta['train'].get('precision', 'bf16')}, AdamW, {meta['warmup']} warm-up + "
              f"{steps_text(meta)} timed steps per bandwidth (training continues across bandwidths, same order for "
              "every system).  ", f"Links: {meta['links']}  ",
              f"Load average at start / end: {meta['load_start']} / {meta.get('load_end', '-')}", ""]

@@ -55,6 +55,9 @@ def parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentPars
     p.add_argument("--bucket-elements", type=_bucket_elements, default=5_000_000, metavar="N",
                    help="gradient bucket size of every system, in elements (reduce_bucket_size, DDP's bucket_cap_mb; "
                         "default: 5000000), or 'default': each system's own default (no bucket keys)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="compute precision (default: bf16); fp32 only for the zeropp systems, for CPUs without "
+                        "a bf16 matrix unit, where a bf16 step is compute-bound and hides the link")
     p.add_argument("--tiny", action="store_true", help="a tiny model (smoke tests)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ledger-only", action="store_true",
@@ -191,7 +194,8 @@ def build_spec(args: argparse.Namespace, phases: list[str], control_dir: str, wi
             "ranks_per_node": args.ranks_per_node, "control_dir": control_dir, "wire_counters": wire,
             "wait_timeout_s": args.timeout,
             "train": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "clip": 1.0,
-                      "micro_batch": args.micro_batch, "bucket_elements": args.bucket_elements}}
+                      "micro_batch": args.micro_batch, "bucket_elements": args.bucket_elements,
+                      "precision": args.precision}}
 
 
 def snapshot_package(dest: str) -> str:
@@ -275,6 +279,10 @@ def run(args: argparse.Namespace, argv_text: str) -> dict[str, Any]:
     """Every system at every bandwidth; writes the report files and returns ``{meta, rows, targets}``."""
     bandwidths = _select(args.bandwidths, BANDWIDTHS, "bandwidth")
     systems = _select(args.systems, SYSTEMS, "system")
+    others = [s for s in systems if not s.startswith("zeropp")]
+    if args.precision != "bf16" and others:
+        raise SystemExit(f"zeropp bench: --precision {args.precision} runs the zeropp systems only; drop "
+                         f"{', '.join(others)} from --systems")
     skipped: dict[str, str] = {}
     if any(SYSTEMS[s][0] == "deepspeed" for s in systems):
         from zeropp.cluster_bench.systems import deepspeed_available

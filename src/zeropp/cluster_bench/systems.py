@@ -42,6 +42,7 @@ class TrainSettings:
     micro_batch: int
     bucket_elements: Optional[int]  # None: each system's own default
     ranks_per_node: int
+    precision: str = "bf16"  # or "fp32" (zeropp systems only)
 
     def adamw(self, params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
@@ -281,7 +282,7 @@ def zeropp_config(name: str, s: TrainSettings) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": s.clip,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": s.precision == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": s.lr, "betas": list(s.betas), "eps": s.eps,
                                                   "weight_decay": s.weight_decay}},
         "zero_optimization": {"stage": 3, **bucket,

@@ -62,7 +62,8 @@ class Run:
         self.settings = systems.TrainSettings(lr=s["lr"], betas=tuple(s["betas"]), eps=s["eps"],
                                               weight_decay=s["weight_decay"], clip=s["clip"],
                                               micro_batch=s["micro_batch"], bucket_elements=s["bucket_elements"],
-                                              ranks_per_node=spec["ranks_per_node"])
+                                              ranks_per_node=spec["ranks_per_node"],
+                                              precision=s.get("precision", "bf16"))
         self.system = systems.build(name, model, self.settings)
         self.tokens = corpus_tokens()
         self.step_index = 0

@@ -47,6 +47,7 @@ _TRAINER_METHODS = ("_prepare_for_training", "_clip_grad_norm", "_get_grad_norm"
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                           torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop)
 _METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")  # stepped by the Trainer with eval metrics
+_METRIC_SCHEDULER_KEY = "trainer_metric_scheduler"  # its state, in the engine checkpoint's client state
 
 
 class ZeroppTrainerError(ValueError):
@@ -112,7 +113,9 @@ class ZeroppTrainer(transformers.Trainer):
         self.zeropp_config = zeropp_config
         self.engine: Optional[CheckpointingEngine] = None
         self._engine_module: Optional[EngineModule] = None
+        self._engine_model: Optional[nn.Module] = None  # the model the engine partitions
         self._schedule_built_here = False  # from lr_scheduler_type (built again for a later train())
+        self._metric_schedule = False  # stepped by the Trainer with evaluation metrics, not by the engine
         if trainer_args:  # the Trainer's positional order
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         else:  # by name: a subclass mixed in after this one may order its arguments otherwise (DPO's ref_model)
@@ -124,8 +127,6 @@ class ZeroppTrainer(transformers.Trainer):
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             problems.append("accelerate's DeepSpeed/FSDP plugin (accelerate launch --use_deepspeed/--use_fsdp): "
                             "zeropp takes their place; launch with torchrun")
-        if self.model_init is not None:
-            problems.append("model_init: not supported yet (the engine partitions one model)")
         self._refuse(problems)
 
     @staticmethod
@@ -149,21 +150,27 @@ class ZeroppTrainer(transformers.Trainer):
             check_trainer_owned(cfg, values, self.args.world_size)
         except ConfigError as err:
             raise type(err)(err.problems, origin) from None  # name the file
-        saves = getattr(self.args.save_strategy, "value", self.args.save_strategy) != "no"
-        if cfg.zero_optimization.stage == 0 and saves and not self.args.save_only_model:
-            raise ZeroppTrainerError("ZeroppTrainer: Trainer checkpoints (save_strategy) need zero_optimization.stage "
-                                     ">= 1 (engine checkpoints of stage 0 are not supported yet); or set "
-                                     "save_only_model=True or save_strategy='no'")
         engine, *_ = initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
         self._partition_reference(cfg)
         if self.args.torch_compile:  # the engine compiles per block (Note [compiled regions]), not accelerate
             mode = self.args.torch_compile_mode
             engine.compile(self.args.torch_compile_backend or "inductor", {"mode": mode} if mode else {})
-        self.engine = engine
+        self.engine, self._engine_model = engine, self.model
         self._engine_module = EngineModule(engine)
         self.model_wrapped = self._engine_module
         self.optimizer = EngineOptimizer(engine)
-        self.lr_scheduler = EngineScheduler(engine)
+        self._schedule(engine, max_steps)
+
+    def _schedule(self, engine: ZeroEngine, max_steps: int) -> None:
+        """``Trainer.lr_scheduler``: the engine's (stepped with each optimizer step) behind a no-op stand-in, or a
+        metric-driven one (ReduceLROnPlateau, GreedyLR) over the engine's optimizer, which the Trainer steps
+        itself with each evaluation's metric and the engine never steps. Evaluation gives every rank the same
+        metric, so every rank changes its shards' learning rate alike."""
+        if self._metric_schedule:
+            self.lr_scheduler = None  # create_scheduler builds only when none is set
+            self.lr_scheduler = self.create_scheduler(num_training_steps=max_steps, optimizer=engine.optimizer)
+        else:
+            self.lr_scheduler = EngineScheduler(engine)
 
     def _client_optimizer(self, config_has_one: bool) -> Optional[torch.optim.Optimizer]:
         """The Trainer's optimizer, for ``initialize`` to rebuild over the masters; None: the config's."""
@@ -192,9 +199,10 @@ class ZeroppTrainer(transformers.Trainer):
         if self.lr_scheduler is not None:
             return self.lr_scheduler  # initialize moves it onto the rebuilt optimizer
         kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
-        if kind in _METRIC_SCHEDULERS:
-            raise ZeroppTrainerError(f"ZeroppTrainer: TrainingArguments.lr_scheduler_type={kind!r} is stepped with "
-                                     "evaluation metrics, which the engine does not have; not supported yet")
+        self._metric_schedule = kind in _METRIC_SCHEDULERS
+        if self._metric_schedule:
+            self._schedule_built_here = True
+            return None  # built over the engine's optimizer once it exists (_schedule)
 
         def build(optimizer: torch.optim.Optimizer) -> Any:
             self._schedule_built_here = True
@@ -220,6 +228,8 @@ class ZeroppTrainer(transformers.Trainer):
         """Build the engine (first ``train()``, or start a new run on it at a later one) and restore its
         checkpoint when resuming; the model the loop calls is the engine's
         (:class:`~zeropp.hf.adapters.EngineModule`)."""
+        if self.engine is not None and self.model is not self._engine_model:
+            self._drop_engine()  # model_init built a new model for this train() (hyperparameter search)
         if self.engine is None:
             self._start_engine(max_steps)
         else:
@@ -236,11 +246,19 @@ class ZeroppTrainer(transformers.Trainer):
         schedule the Trainer built from ``lr_scheduler_type`` is built again for the new length (one given in
         ``optimizers=`` or in the config carries on), and the steps count from 0 again."""
         engine = self._require_engine("train")
-        if self._schedule_built_here:
+        if self._schedule_built_here and not self._metric_schedule:
             self.lr_scheduler = None  # create_scheduler builds only when none is set
             engine.lr_scheduler = self.create_scheduler(num_training_steps=max_steps, optimizer=engine.optimizer)
-            self.lr_scheduler = EngineScheduler(engine)
+        if self._schedule_built_here:
+            self._schedule(engine, max_steps)
         engine.restart_counts()
+
+    def _drop_engine(self) -> None:
+        """Release the engine of the previous model (``model_init`` gives each ``train()`` a new one): the next
+        engine partitions the new model and rebuilds the optimizer and schedule, as the Trainer does."""
+        self._require_engine("train").close()
+        self.engine = self._engine_module = self._engine_model = None
+        self._schedule_built_here = self._metric_schedule = False
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights from its engine checkpoint (collective); the
@@ -254,9 +272,16 @@ class ZeroppTrainer(transformers.Trainer):
     def _resume_engine(self, checkpoint: str) -> None:
         """Weights, optimizer state, scheduler and counters from the checkpoint's engine tag; the Trainer
         restored its own state (step, RNG, callbacks) from the same directory."""
-        path, _ = self.engine.load_checkpoint(checkpoint)
+        path, client_state = self._require_engine("_resume_engine").load_checkpoint(checkpoint)
         if path is None:
             raise ZeroppTrainerError(f"ZeroppTrainer: {checkpoint} holds no complete zeropp engine checkpoint")
+        if self._metric_schedule:
+            saved = client_state.get(_METRIC_SCHEDULER_KEY) if isinstance(client_state, dict) else None
+            if saved is None:
+                raise ZeroppTrainerError(f"ZeroppTrainer: the engine checkpoint {path} holds no state of the "
+                                         f"lr_scheduler_type={self.args.lr_scheduler_type!r} schedule (saved with "
+                                         "another lr_scheduler_type?)")
+            self.lr_scheduler.load_state_dict(saved)
         if self.engine.global_steps != self.state.global_step:
             raise ZeroppTrainerError(f"ZeroppTrainer: the engine checkpoint {path} is at optimizer step "
                                      f"{self.engine.global_steps} but the Trainer's state in {checkpoint} at "
@@ -291,7 +316,7 @@ class ZeroppTrainer(transformers.Trainer):
         """Step where the Trainer syncs: at the end of each window, an epoch's last and shorter one included."""
         boundary = self.accelerator.sync_gradients
         engine.set_gradient_accumulation_boundary(boundary)
-        if boundary:
+        if boundary and isinstance(self.lr_scheduler, EngineScheduler):
             self.lr_scheduler.record_step_lr()  # what the Trainer logs as this step's learning rate
         engine.step()
 
@@ -333,7 +358,8 @@ class ZeroppTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """A Trainer checkpoint's optimizer part: the engine's sharded checkpoint (every rank writes its
         shard: masters, optimizer state, scheduler, counters) under ``output_dir/global_step{N}``."""
-        self._require_engine("_save_optimizer_and_scheduler").save_checkpoint(output_dir)
+        client_state = {_METRIC_SCHEDULER_KEY: self.lr_scheduler.state_dict()} if self._metric_schedule else None
+        self._require_engine("_save_optimizer_and_scheduler").save_checkpoint(output_dir, client_state=client_state)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
         """Check that the checkpoint holds an engine checkpoint; ``_prepare_for_training`` loads it once the
