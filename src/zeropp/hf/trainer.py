@@ -61,7 +61,8 @@ _UNSUPPORTED_ARGUMENTS = (
     ("fsdp", "FSDP and zeropp both shard the model; use one (zeropp's ZeRO-3 is the same partitioning)"),
     ("parallelism_config", "zeropp partitions over data-parallel ranks only (no tensor, context or sequence "
                            "parallelism)"),
-    ("auto_find_batch_size", "not supported yet (the engine's batch size is fixed when it is built)"),
+    ("auto_find_batch_size", "a rank that runs out of memory in a step leaves the others inside its collectives, "
+                             "with no common point to retry from; choose the batch with `zeropp plan`"),
     ("save_on_each_node", "not supported yet (zeropp checkpoints assume storage every rank can read)"),
 )
 
