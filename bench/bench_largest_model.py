@@ -38,12 +38,20 @@ def disk_bytes(path: str) -> int:
     return total
 
 
-def config(nvme_dir: str, bf16: bool) -> dict:
+def config(nvme_dir: str, bf16: bool, buffer_size: int) -> dict:
+    """``buffer_size``: elements of one parameter buffer, at least the largest unit (a decoder layer)."""
     nvme = {"device": "nvme", "nvme_path": nvme_dir}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": {"stage": 3, "offload_param": {**nvme, "buffer_count": 4},
+            "zero_optimization": {"stage": 3, "offload_param": {**nvme, "buffer_count": 4, "buffer_size": buffer_size},
                                   "offload_optimizer": {**nvme, "buffer_count": 4}}}
+
+
+def largest_unit(model) -> int:
+    """Elements of the largest gather unit: a decoder layer, or the embedding or head."""
+    parts = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    parts += [model.model.embed_tokens.weight.numel(), model.lm_head.weight.numel()]
+    return max(parts)
 
 
 def io_bytes(engine) -> tuple[int, int]:
@@ -71,7 +79,8 @@ def worker(rank: int, world: int, args: dict, nvme_dir: str) -> dict:
         model = LlamaForCausalLM(cfg)
     params = sum(p.numel() for p in model.parameters())
     print(f"{params / 1e9:.2f}B parameters; initializing onto {nvme_dir}", flush=True)
-    engine, *_ = zeropp.initialize(model=model, config=config(nvme_dir, args["precision"] == "bf16"))
+    buffer_size = -(-largest_unit(model) // 1_000_000) * 1_000_000
+    engine, *_ = zeropp.initialize(model=model, config=config(nvme_dir, args["precision"] == "bf16", buffer_size))
     init_s = time.perf_counter() - start
     on_disk = disk_bytes(nvme_dir)
     init_peak = peak_rss(reset) - bare

@@ -7,14 +7,19 @@ group up; kernel VmHWM), ``engine.memory_report()``'s peak, and the formula: mod
 flight + gradient buckets + activations, from ``zeropp.plan.memory.memory`` (what ``zeropp plan`` predicts).
 The table row is the rank with the highest RSS.
 
-    .venv/bin/python bench/bench_memory_scale.py [--models 0.1B,0.5B,0.7B,1.06B] [--precision fp32|bf16]
-        [--micro 1] [--seq 128] [--steps 2] [--out bench/results/memory_scale.json]
+    .venv/bin/python bench/bench_memory_scale.py [--models 0.1B,0.3B,0.5B,1.06B] [--precision fp32|bf16]
+        [--micro 1] [--seq 128] [--steps 2] [--nvme-dir DIR] [--out bench/results/memory_scale.json]
+
+Four ranks share this machine's memory: without offload the sum of their peaks must fit it (``zeropp plan``
+gives the per-rank formula before a run); ``--nvme-dir`` keeps parameters and optimizer states in files.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +42,9 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=1)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--nvme-dir", default=None,
+                    help="offload parameters and optimizer states to files here (ZeRO-Infinity, hpZ off); for the "
+                         "models whose states do not fit the machine's memory 4 times over")
     ap.add_argument("--out", default=os.path.join(RESULTS, "memory_scale.json"))
     args = ap.parse_args()
     rows = []
@@ -44,8 +52,13 @@ def main() -> None:
         if name not in SIZES:
             raise SystemExit(f"--models: unknown {name!r}; known: {', '.join(SIZES)}")
         start = time.perf_counter()
-        ranks = run_world(train_memory, 4, asdict(SIZES[name]), args.micro, args.seq, args.steps,
-                          args.precision == "bf16", ranks_per_node=2, env=MALLOC_ENV, timeout=3600)
+        nvme = tempfile.mkdtemp(prefix="zeropp-memory-scale-", dir=args.nvme_dir) if args.nvme_dir else None
+        try:
+            ranks = run_world(train_memory, 4, asdict(SIZES[name]), args.micro, args.seq, args.steps,
+                              args.precision == "bf16", nvme, ranks_per_node=2, env=MALLOC_ENV, timeout=3600)
+        finally:
+            if nvme is not None:
+                shutil.rmtree(nvme, ignore_errors=True)
         row = as_row(name, ranks)
         row["seconds"] = time.perf_counter() - start
         rows.append(row)
@@ -54,6 +67,7 @@ def main() -> None:
               f"{row['formula'] / GiB:.2f} GiB ({row['peak_over_formula']:.2f}x), buffers "
               f"{row['buffers'] / GiB:.2f} GiB, {row['seconds']:.0f} s", flush=True)
     write_results(args.out, {"command": " ".join(sys.argv), "precision": args.precision, "micro": args.micro,
+                             "nvme": args.nvme_dir is not None,
                              "seq": args.seq, "steps": args.steps, "world": "2 x 2", "rows": rows})
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 import zeropp
 from support.ds_reference import HIDDEN, ds_batch, ds_loss, make_model
+from support.train import error_of
 from support.world import run_world
 
 WORLD, LR, WD = 2, 1e-2, 0.01
@@ -48,7 +49,7 @@ def alias_run(rank: int, stage: int, offload: bool) -> dict:
     import deepspeed
     from deepspeed import utils
     model = make_model(0)
-    engine, *_ = deepspeed.initialize(model=model, config=config(stage, offload))
+    engine, optimizer, *_ = deepspeed.initialize(model=model, config=config(stage, offload))
     out: dict = {}
     for step in range(3):
         loss = ds_loss(engine, *ds_batch(step, rank))
@@ -66,8 +67,23 @@ def alias_run(rank: int, stage: int, offload: bool) -> dict:
     out["local"] = {n: (utils.safe_get_local_fp32_param(p), utils.safe_get_local_optimizer_state(p, "exp_avg"))
                     for n, p in model.named_parameters()}
     out["unmanaged"] = utils.safe_get_full_fp32_param(nn.Parameter(torch.ones(2)))
+    out["zero_optimizer"] = zero_optimizer_view(engine, optimizer, model)
     engine.close()
     return out
+
+
+def zero_optimizer_view(engine, optimizer, model) -> dict:
+    """What DeepSpeed's TestZeroAdamOptimizerStepCount reads through the returned optimizer: Adam's step count of
+    every stage-3 sub-group (``fp32_partitioned_groups_flat``) and of every stage 1-2 group parameter, and which
+    model parameters the groups hold."""
+    inner = optimizer.optimizer
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {"steps3": [float(inner.state[m]["step"]) for m in optimizer.fp32_partitioned_groups_flat],
+            "steps12": [float(inner.state[m]["step"]) for g in inner.param_groups for m in g["params"]],
+            "groups3": sorted(names[id(p)] for [p] in optimizer.fp16_groups),
+            "groups12": sorted(names[id(p)] for g in optimizer.bit16_groups for p in g),
+            "global_steps": engine.global_steps, "inner_is_engines": inner is engine.optimizer,
+            "step_refused": error_of(optimizer.step).split(":")[0]}
 
 
 class Pair(nn.Module):
@@ -429,6 +445,20 @@ def test_full_values_equal_a_single_process_and_setters_take(stage, offload):
             assert torch.equal(values["param"], got["after1"][name]["param"] * 0.5), name
             assert not values["exp_avg"].any(), name
         assert got["unmanaged"] is None
+
+
+@pytest.mark.parametrize("stage,offload", VARIANTS)
+def test_the_returned_optimizer_reads_as_deepspeeds_zero_optimizer(stage, offload):
+    """``deepspeed.initialize``'s optimizer: Adam's step of every sub-group equals the engine's global steps (what
+    DeepSpeed's TestZeroAdamOptimizerStepCount checks), its groups hold every parameter once, stepping it
+    directly is refused (the engine steps)."""
+    names = sorted(n for n, _ in make_model(0).named_parameters())
+    for res in results():
+        view = res[(stage, offload)]["zero_optimizer"]
+        assert view["global_steps"] == 3 and view["inner_is_engines"]
+        assert view["steps3"] == view["steps12"] == [3.0] * len(names)
+        assert view["groups3"] == view["groups12"] == names
+        assert view["step_refused"] == "DeepSpeedAPIError"
 
 
 @pytest.mark.parametrize("stage,offload", VARIANTS)

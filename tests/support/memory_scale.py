@@ -10,8 +10,9 @@ in a heap that RSS keeps counting (see there).
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional
 
 ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
 
@@ -41,14 +42,22 @@ SIZES = {
 }
 
 
-def config(micro: int, bf16: bool) -> dict:
+def config(micro: int, bf16: bool, nvme: Optional[str] = None) -> dict:
+    """ZeRO++ with the default buffers; ``nvme``: parameters and optimizer states in files there instead
+    (ZeRO-Infinity), and no hpZ (its secondary copy is the memory that offload gives back)."""
+    zero: dict[str, Any] = {"stage": 3, **ZEROPP}
+    if nvme is not None:
+        where = {"device": "nvme", "nvme_path": os.path.join(nvme, "rank")}
+        zero.update(zero_hpz_partition_size=1, offload_param=dict(where), offload_optimizer=dict(where))
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": {"stage": 3, **ZEROPP}, "topology": {"ranks_per_node": 2}}
+            "zero_optimization": zero, "topology": {"ranks_per_node": 2}}
 
 
-def train_memory(rank: int, world: int, size: dict, micro: int, seq: int, steps: int, bf16: bool) -> dict:
-    """Build under ``zero.Init``, ``steps`` optimizer steps; RSS measured from the bare process on."""
+def train_memory(rank: int, world: int, size: dict, micro: int, seq: int, steps: int, bf16: bool,
+                 nvme: Optional[str] = None) -> dict:
+    """Build under ``zero.Init``, ``steps`` optimizer steps; RSS measured from the bare process on. With
+    ``nvme`` the formula's model states are those the rank keeps in memory (``memory_report``'s, measured)."""
     import torch
 
     import zeropp
@@ -59,7 +68,7 @@ def train_memory(rank: int, world: int, size: dict, micro: int, seq: int, steps:
     from zeropp.plan.model import from_module
 
     shape = Size(**size)
-    cfg = config(micro, bf16)
+    cfg = config(micro, bf16, None if nvme is None else os.path.join(nvme, str(rank)))
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # a bare training process has Dynamo imported
     gc.collect()
     bare = current_rss()
@@ -80,15 +89,18 @@ def train_memory(rank: int, world: int, size: dict, micro: int, seq: int, steps:
     peak = peak_rss(reset) - bare
     report = engine.memory_report()
     spec = from_module(engine.module)
-    formula = memory(spec, Choice(3, 8, 2, 4), world, micro, seq, engine.reduce_bucket_size, checkpointing=False,
-                     bf16=bf16, separate_device=False)
+    choice = Choice(3, 8, 1 if nvme else 2, 4)
+    formula = memory(spec, choice, world, micro, seq, engine.reduce_bucket_size, checkpointing=False, bf16=bf16,
+                     separate_device=False)
+    resident = report["model_states"]["total"] if nvme else formula.states["total"]
     out = {"size": size, "parameters": spec.params, "bare_rss": bare, "built_rss": built, "peak_rss": peak,
            "report_peak": report["peak_bytes"], "report": {k: report[k] for k in (
                "buffer_bytes", "buffer_bound", "gathered_weights_peak")},
            "saved_activations": report["activations"]["saved_peak_device"],
            "model_states": states,
-           "formula": {"states": formula.states["total"], "working": formula.working,
-                       "activations": formula.activations, "total": formula.need},
+           "formula": {"states": resident, "working": formula.working, "activations": formula.activations,
+                       "total": resident + formula.working + formula.activations},
+           "nvme": nvme is not None,
            "bucket": engine.reduce_bucket_size, "losses": losses, "rss_reset": reset, "config": cfg}
     engine.close()
     return out

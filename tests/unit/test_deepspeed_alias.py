@@ -28,7 +28,7 @@ def test_deepspeeds_module_paths_import(alias):
     from deepspeed.utils import safe_get_full_fp32_param, set_z3_leaf_modules
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     zero = importlib.import_module("deepspeed.zero")
-    assert deepspeed.initialize is zeropp.initialize and zero.Init is zeropp.zero.Init
+    assert deepspeed.initialize.__wrapped__ is zeropp.initialize and zero.Init is zeropp.zero.Init
     assert GatheredParameters is zeropp.zero.GatheredParameters and ZeroParamStatus.NOT_AVAILABLE.value == 2
     assert zero.TiledLinear is zeropp.zero.TiledLinear
     assert callable(safe_get_full_fp32_param) and callable(set_z3_leaf_modules)

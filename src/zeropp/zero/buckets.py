@@ -15,6 +15,7 @@ Buckets are filled into reused buffers, and the reduce strategy's result row is 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 from itertools import groupby
@@ -70,6 +71,7 @@ class GradBuckets:
     _inflight: list[_InFlight] = field(default_factory=list)
     _downloads: list[_Download] = field(default_factory=list)
     pool: BufferPool = field(default_factory=BufferPool)  # bucket buffers, reused every step
+    _direct_row: Optional[tuple[Unit, contextlib.ExitStack]] = None  # direct: the gradient row held in memory
 
     def add(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
         if self.direct:
@@ -86,11 +88,24 @@ class GradBuckets:
             self.flush()
 
     def _add_direct(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
-        """One rank: the mean over ranks is the gradient itself, added in fp32 as a reduced row would be."""
-        with self.residency.grads(unit):
-            view = unit.grad_views()[slot]
-            flat = grad.reshape(-1)
-            view[: flat.numel()].add_(flat.to(view.device, view.dtype))
+        """One rank: the mean over ranks is the gradient itself, added in fp32 as a reduced row would be.
+
+        The unit's row stays in memory while its gradients keep arriving (a block's come one after another)
+        and goes back when another unit's arrives or backward ends: under NVMe offload it is written once per
+        backward, not once per parameter (a Llama layer's nine rewrote it nine times)."""
+        if self._direct_row is None or self._direct_row[0] is not unit:
+            self._release_direct()
+            held = contextlib.ExitStack()
+            held.enter_context(self.residency.grads(unit))
+            self._direct_row = (unit, held)
+        view = unit.grad_views()[slot]
+        flat = grad.reshape(-1)
+        view[: flat.numel()].add_(flat.to(view.device, view.dtype))
+
+    def _release_direct(self) -> None:
+        if self._direct_row is not None:
+            held, self._direct_row = self._direct_row[1], None
+            held.close()
 
     def flush(self) -> None:
         """Start reducing what is ready; complete the previously started bucket (one stays in flight)."""
@@ -125,6 +140,7 @@ class GradBuckets:
 
     def finish(self) -> None:
         """Reduce everything still pending and accumulate it into the owning gradient shards."""
+        self._release_direct()
         self.flush()
         while self._inflight:
             self._complete(self._inflight.pop(0))
