@@ -7,7 +7,7 @@ read and wrote per step. The model states on disk are about 16 bytes per paramet
 they fit the free disk (printed first) with room to spare.
 
     .venv/bin/python bench/bench_largest_model.py --nvme-dir /var/tmp [--layers 34 --hidden 3072
-        --intermediate 8192 --heads 24] [--steps 2] [--seq 32] [--precision fp32|bf16]
+        --intermediate 8192 --heads 24] [--steps 2] [--seq 32] [--precision fp32|bf16] [--optimizer-buffers 2]
         [--out bench/results/largest_model.json]
 """
 from __future__ import annotations
@@ -38,13 +38,15 @@ def disk_bytes(path: str) -> int:
     return total
 
 
-def config(nvme_dir: str, bf16: bool, buffer_size: int) -> dict:
-    """``buffer_size``: elements of one parameter buffer, at least the largest unit (a decoder layer)."""
+def config(nvme_dir: str, bf16: bool, buffer_size: int, optimizer_buffers: int = 2) -> dict:
+    """``buffer_size``: elements of one parameter buffer, at least the largest unit (a decoder layer).
+    ``optimizer_buffers``: units whose optimizer records (master, gradient row, moments: 16 bytes per element)
+    may be in memory at once; each is a decoder layer's, so this sets most of the peak."""
     nvme = {"device": "nvme", "nvme_path": nvme_dir}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "offload_param": {**nvme, "buffer_count": 4, "buffer_size": buffer_size},
-                                  "offload_optimizer": {**nvme, "buffer_count": 4}}}
+                                  "offload_optimizer": {**nvme, "buffer_count": optimizer_buffers}}}
 
 
 def largest_unit(model) -> int:
@@ -80,7 +82,8 @@ def worker(rank: int, world: int, args: dict, nvme_dir: str) -> dict:
     params = sum(p.numel() for p in model.parameters())
     print(f"{params / 1e9:.2f}B parameters; initializing onto {nvme_dir}", flush=True)
     buffer_size = -(-largest_unit(model) // 1_000_000) * 1_000_000
-    engine, *_ = zeropp.initialize(model=model, config=config(nvme_dir, args["precision"] == "bf16", buffer_size))
+    engine, *_ = zeropp.initialize(model=model, config=config(nvme_dir, args["precision"] == "bf16", buffer_size,
+                                                              args["optimizer_buffers"]))
     init_s = time.perf_counter() - start
     on_disk = disk_bytes(nvme_dir)
     init_peak = peak_rss(reset) - bare
@@ -98,9 +101,9 @@ def worker(rank: int, world: int, args: dict, nvme_dir: str) -> dict:
         read1, written1 = io_bytes(engine)
         steps.append({"seconds": elapsed, "loss": float(loss.detach()), "read_bytes": read1 - read0,
                       "written_bytes": written1 - written0, "peak_rss": peak_rss(reset) - bare})
-        print(f"step {step}: {elapsed:.1f} s, loss {float(loss.detach()):.4f}, read {steps[-1]['read_bytes'] / GB:.1f} GB, "
-              f"written {steps[-1]['written_bytes'] / GB:.1f} GB, peak RSS {steps[-1]['peak_rss'] / GB:.2f} GB",
-              flush=True)
+        s = steps[-1]
+        print(f"step {step}: {elapsed:.1f} s, loss {s['loss']:.4f}, read {s['read_bytes'] / GB:.1f} GB, "
+              f"written {s['written_bytes'] / GB:.1f} GB, peak RSS {s['peak_rss'] / GB:.2f} GB", flush=True)
     report = engine.memory_report()
     out = {"parameters": params, "init_s": init_s, "disk_bytes": on_disk, "init_peak_rss": init_peak,
            "peak_rss": peak_rss(reset) - bare, "bare_rss": bare, "rss_reset": reset, "steps": steps,
@@ -123,6 +126,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--optimizer-buffers", type=int, default=2,
+                    help="offload_optimizer.buffer_count: optimizer records in memory at once (default 2)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="fp32 (the default) or bf16; bf16 compute is slow on a CPU without a bf16 unit")
     ap.add_argument("--out", default=os.path.join(RESULTS, "largest_model.json"))

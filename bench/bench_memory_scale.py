@@ -7,7 +7,7 @@ group up; kernel VmHWM), ``engine.memory_report()``'s peak, and the formula: mod
 flight + gradient buckets + activations, from ``zeropp.plan.memory.memory`` (what ``zeropp plan`` predicts).
 The table row is the rank with the highest RSS.
 
-    .venv/bin/python bench/bench_memory_scale.py [--models 0.1B,0.3B,0.5B,1.06B] [--precision fp32|bf16]
+    .venv/bin/python bench/bench_memory_scale.py [--models 0.1B,0.4B,0.55B,1.06B] [--precision fp32|bf16]
         [--micro 1] [--seq 128] [--steps 2] [--nvme-dir DIR] [--out bench/results/memory_scale.json]
 
 Four ranks share this machine's memory: without offload the sum of their peaks must fit it (``zeropp plan``

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import SimpleModel, adam, bf16, case, destroy, ds, engine_dtype, expect_raises, param_cases, random_batches
+from common import (CASES, SimpleModel, adam, bf16, case, destroy, ds, engine_dtype, expect_raises, param_cases,
+                    random_batches)
 
 
 def _batches(engine, total, hidden):

@@ -300,6 +300,7 @@ def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainP
         else cfg.gradient_predivide_factor,
         grad_sum=cfg.gradient_allreduce_op == "sum",
         ignore_unused_parameters=zero.ignore_unused_parameters,
+        sanity_checks=zero.enable_sanity_checks,
     )
 
 

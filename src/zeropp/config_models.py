@@ -281,6 +281,10 @@ class ZeroConfig(Section):
                               status=STATUS_TUNING)
     ignore_unused_parameters: DSBool = F(True, doc="Stages 1-2: tolerate trainable parameters that get no gradient "
                                        "(false: each backward checks, and every rank raises naming them).")
+    enable_sanity_checks: DSBool = F(False, doc="An in-place write inside GatheredParameters(modifier_rank=None): "
+                                   "true raises on every rank for any write, as DeepSpeed checks; false (the default) "
+                                   "raises for a write that changed a value and accepts one that wrote the values "
+                                   "already there (DeepSpeed without the check loses every such write silently).")
     load_from_fp32_weights: DSBool = F(True, doc="Restore fp32 master weights from checkpoints; zeropp "
                                      "always does.", status=STATUS_TUNING)
     memory_efficient_linear: DSBool = F(True, doc="DeepSpeed replaces torch's linear under stage 3 so its "

@@ -237,21 +237,31 @@ def engine_module(rank: int) -> dict:
 
 
 def gathered_writes(rank: int) -> dict:
-    """An in-place write inside GatheredParameters(modifier_rank=None), made on rank 1 only: every rank raises,
-    before initialize (parameters partitioned by zero.Init) and after."""
+    """In-place writes inside GatheredParameters(modifier_rank=None), made on rank 1 only: one that changes a
+    value raises on every rank, before initialize (parameters partitioned by zero.Init) and after; after
+    initialize, writing the values already there (add_(0.0), load_state_dict of the same weights) passes, and
+    raises with enable_sanity_checks."""
     import deepspeed
     out = {}
     with deepspeed.zero.Init():
         model = PairNet()
-    for when in ("constructed", "engine"):
-        if when == "engine":
+    for when in ("constructed", "engine", "same", "same_state_dict", "sanity"):
+        if when == "sanity":
+            engine.close()
+            with deepspeed.zero.Init():
+                model = PairNet()
+        if when in ("engine", "sanity"):
+            zero = {"stage": 3, "enable_sanity_checks": when == "sanity"}
             engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                                                   "zero_optimization": {"stage": 3}})
+                                                                   "zero_optimization": zero})
         params = [model.pairs[0].a.weight, model.head.weight]
+        gathered = list(model.parameters()) if when == "same_state_dict" else params  # state_dict reads them all
         try:
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None), torch.no_grad():
-                if rank == 1:
-                    model.head.weight.add_(0.0)
+            with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None), torch.no_grad():
+                if rank == 1 and when == "same_state_dict":
+                    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+                elif rank == 1:
+                    model.head.weight.add_(1.0 if when in ("constructed", "engine") else 0.0)
             out[when] = None
         except RuntimeError as err:
             out[when] = str(err)
@@ -527,11 +537,16 @@ def test_the_engine_is_a_module_that_passes_the_models_attributes_through():
 
 
 def test_an_in_place_write_in_a_read_only_gather_raises_on_every_rank():
+    """A changed value raises everywhere and is discarded; writing back the same values passes (DeepSpeed's
+    TestZeroToFP32 loads the weights just saved inside such a block), unless enable_sanity_checks asks that any
+    write raise, as DeepSpeed's check does."""
     for res in results():
-        for when in ("constructed", "engine"):
+        for when in ("constructed", "engine", "sanity"):
             err = res["writes"][when]
             assert err is not None and "in-place modification" in err and "rank(s) [1]" in err, (when, err)
-        assert res["writes"]["constructed_read"] == res["writes"]["engine_read"]
+        assert res["writes"]["same"] is None and res["writes"]["same_state_dict"] is None
+        reads = {res["writes"][w + "_read"] for w in ("constructed", "engine", "same", "same_state_dict")}
+        assert len(reads) == 1  # nothing written in a read-only block stayed (one model until "sanity")
 
 
 def test_unused_parameters_are_named_at_stages_1_and_2_when_asked():

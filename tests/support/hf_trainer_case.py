@@ -213,7 +213,8 @@ def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = Fa
     model = dict(model_init=lambda: tiny_gpt2(seed=2)) if model_init else dict(model=tiny_gpt2(seed=2))
     given = dict(train_dataset=data, eval_dataset=corpus_windows(16) if "eval_strategy" in extra else None)
     if zeropp:
-        trainer = ZeroppTrainer(args=args, **model, **given, zeropp_config=copy.deepcopy(zeropp_config or PARITY_CONFIG))
+        config = copy.deepcopy(zeropp_config or PARITY_CONFIG)
+        trainer = ZeroppTrainer(args=args, **model, **given, zeropp_config=config)
     else:
         trainer = transformers.Trainer(args=args, **model, **given)
     trainer.model_accepts_loss_kwargs = not batch_mean_loss

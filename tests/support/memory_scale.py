@@ -36,8 +36,8 @@ class Size:
 
 SIZES = {
     "0.1B": Size(layers=8, hidden=768, intermediate=2048, heads=12),  # 106M
-    "0.5B": Size(layers=16, hidden=1536, intermediate=4096, heads=12),  # 0.55B
-    "0.7B": Size(layers=16, hidden=1792, intermediate=4864, heads=14),  # 0.71B
+    "0.4B": Size(layers=16, hidden=1280, intermediate=3456, heads=10),  # 0.40B
+    "0.55B": Size(layers=16, hidden=1536, intermediate=4096, heads=12),  # 0.55B
     "1.06B": Size(layers=18, hidden=2048, intermediate=5632, heads=16),  # 1.06B
 }
 

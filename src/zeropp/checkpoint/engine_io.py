@@ -200,7 +200,7 @@ def _manifest(engine: ZeroEngine, tag: str, params: list[_Param], shards: list[W
         "created_unix": time.time(),
         "config": _config_json(engine),
         "engine": {
-            "stage": 3 if _sharded(engine) else 0,  # 0: every shard file holds the whole state (Note [stage 0])
+            "stage": 3 if _sharded(engine) else 0,  # 0: whole state per file (Note [stage 0 checkpoints])
             "compute_dtype": str(policy.compute_dtype).removeprefix("torch."),
             "gradient_accumulation_steps": policy.gradient_accumulation_steps,
             "gradient_clipping": policy.gradient_clipping,

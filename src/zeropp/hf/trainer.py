@@ -197,6 +197,10 @@ class ZeroppTrainer(transformers.Trainer):
                 raise ZeroppTrainerError("ZeroppTrainer: a scheduler was given both as optimizers=(..., scheduler) "
                                          "and as the zeropp config's scheduler section; give one")
             return None
+        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ZeroppTrainerError("ZeroppTrainer: a ReduceLROnPlateau given in optimizers=(..., scheduler) is built "
+                                     "over the model's parameters, not the engine's fp32 masters; set "
+                                     "TrainingArguments(lr_scheduler_type='reduce_lr_on_plateau') instead")
         if self.lr_scheduler is not None:
             return self.lr_scheduler  # initialize moves it onto the rebuilt optimizer
         kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)

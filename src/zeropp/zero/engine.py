@@ -128,6 +128,7 @@ class TrainPolicy:
     grad_predivide: float = 1.0  # gradients divided by this before the reduction (DeepSpeed's predivide factor)
     grad_sum: bool = False  # the step uses the ranks' summed gradient instead of their mean
     ignore_unused_parameters: bool = True  # stages 1-2, False: a trainable parameter without gradient raises
+    sanity_checks: bool = False  # any write in a read-only GatheredParameters raises, not only a changed value
 
 
 class Pass(enum.Enum):

@@ -49,13 +49,17 @@ class _Opened:
         self.slots = [(u, s) for u in self.units for s in u.slots if id(s.param) in ids]
         engine.join_update()
         self.gathered = [u for u in self.units if u.state is UnitState.SHARDED]
-        world = engine.topo.world
+        self.gather_from_masters()
+        self.before = {id(s): _flat(s).clone() for _, s in self.slots} if snapshot else {}
+
+    def gather_from_masters(self) -> None:
+        """The gathered units' full values from the fp32 masters (collective), cast to the compute dtype."""
+        engine, world = self.engine, self.engine.topo.world
         for u in self.gathered:
             rows = torch.empty(world.size, u.row.numel, dtype=torch.float32, device=u.device)
             with engine.residency.resident([u], dirty=False):
                 engine.comm.all_gather(rows, u.master.to(u.device), world, Phase.OTHER)
             u.materialize(rows.to(u.compute_dtype), u.row)
-        self.before = {id(s): _flat(s).clone() for _, s in self.slots} if snapshot else {}
 
     def publish(self, modifier_rank: int) -> None:
         """Broadcast rank ``modifier_rank``'s values and write the changed ones into the masters."""
@@ -139,7 +143,10 @@ class GatheredParameters:
         constructed, self._constructed = self._constructed, []
         written = []
         if exc_type is None and self.modifier_rank is None and (opened or constructed):
-            written = self._writes_anywhere(opened[0].engine.comm if opened else PARAMS.comm)
+            comm = opened[0].engine.comm if opened else PARAMS.comm
+            written = self._writes_anywhere(comm)
+            if written and not any(o.engine.policy.sanity_checks for o in opened):
+                written = self._changed_anywhere(opened, comm)
         for p in constructed:
             rec = PARAMS.get(p)
             if rec is not None:
@@ -158,13 +165,34 @@ class GatheredParameters:
                 f"GatheredParameters(modifier_rank=None): an in-place modification of parameters "
                 f"{written[1:] or '(on another rank)'} inside the block, on rank(s) {written[0]}, is discarded at its "
                 "end: with modifier_rank=None the gathered values are for reading. Pass modifier_rank=r to make rank "
-                "r's values the parameters everywhere")
+                "r's values the parameters everywhere (writing back the values already there passes, unless "
+                "zero_optimization.enable_sanity_checks is true)")
+
+    def _changed_anywhere(self, opened: list[_Opened], comm: Any) -> list:
+        """Note [writes in a read-only gather], without ``enable_sanity_checks``: some rank wrote; did a value
+        change? Each rank keeps what it wrote, gathers the units again from the masters (every rank, every
+        unit: collective) and compares. A write outside the units the context gathered (a resident weight, a
+        parameter still under construction) counts as a change. ``[ranks that changed a value, names...]``, or
+        ``[]`` when every write put back the values that were there (``load_state_dict`` of the same weights)."""
+        checkable = {id(s.param) for o in opened for u in o.gathered for s in u.slots}
+        mine = [(i, p) for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+        kept = {i: p.detach().clone() for i, p in mine if id(p) in checkable}
+        for o in opened:
+            o.gather_from_masters()
+        changed = [i for i, p in mine if i not in kept or not torch.equal(kept[i], p.detach())]
+        return self._agree(comm, changed)
 
     def _writes_anywhere(self, comm: Any) -> list:
         """Note [writes in a read-only gather]: parameters written in place inside a ``modifier_rank=None`` block
         (their version counters moved) would lose the write silently, on the ranks that made it; the ranks agree
-        (one all-reduce) so that every rank raises. ``[ranks that wrote, names written here...]``, or ``[]``."""
-        mine = [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+        (one all-reduce) so that every rank raises. With ``enable_sanity_checks`` any write raises (DeepSpeed's
+        check); without it only one that changed a value does (``_changed_anywhere``), so writing back the
+        values already there passes. ``[ranks that wrote, names written here...]``, or ``[]``."""
+        return self._agree(comm, [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v])
+
+    def _agree(self, comm: Any, mine: list[int]) -> list:
+        """One all-reduce: which ranks have a non-empty ``mine`` (indices into ``params``); ``[ranks, names of
+        mine...]`` or ``[]``."""
         flags = torch.zeros(comm.topo.world_size)
         flags[comm.topo.rank] = float(bool(mine))
         comm.all_reduce(flags, comm.topo.world, Phase.OTHER)
