@@ -77,7 +77,7 @@ def reload_case(rank: int, world: int, stage: int, tmp: str) -> dict:
     error = ""
     try:
         engine.save_checkpoint(tmp)
-    except Exception as err:  # stage 0 has no checkpoint format yet
+    except Exception as err:  # noqa: BLE001 - the test reads the message
         error = f"{type(err).__name__}: {err}"
     return {"got": got, "want": want, "save_error": error}
 
@@ -196,10 +196,7 @@ def test_state_dict_load_rebuilds_resident_weights(stage):
     for rank_result in results_for(2):
         case = rank_result[("reload", stage)]
         assert abs(case["got"] - case["want"]) <= 1e-6 * abs(case["want"])
-        if stage == 0:
-            assert case["save_error"].startswith("CheckpointError") and "stage 0" in case["save_error"]
-        else:
-            assert case["save_error"] == ""
+        assert case["save_error"] == ""  # stage 0 too (Note [stage 0 checkpoints])
 
 
 @pytest.mark.parametrize("stage", [1, 3])
