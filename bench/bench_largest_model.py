@@ -56,16 +56,11 @@ def largest_unit(model) -> int:
     return max(parts)
 
 
-def io_bytes(engine) -> tuple[int, int]:
-    stores = [s for s in (getattr(engine.residency, "params", None), getattr(engine.residency, "states", None))
-              if s is not None]
-    return sum(s.pool.bytes_read for s in stores), sum(s.pool.bytes_written for s in stores)
-
-
 def worker(rank: int, world: int, args: dict, nvme_dir: str) -> dict:
     import torch
 
     import zeropp
+    from bench_nvme import nvme_bytes
     from support.rss import current_rss, peak_rss, reset_peak_rss
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -92,13 +87,13 @@ def worker(rank: int, world: int, args: dict, nvme_dir: str) -> dict:
     steps = []
     for step in range(args["steps"]):
         ids = torch.randint(0, args["vocab"], (1, args["seq"]), generator=g)
-        read0, written0 = io_bytes(engine)
+        read0, written0 = nvme_bytes(engine)
         t0 = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         elapsed = time.perf_counter() - t0
-        read1, written1 = io_bytes(engine)
+        read1, written1 = nvme_bytes(engine)
         steps.append({"seconds": elapsed, "loss": float(loss.detach()), "read_bytes": read1 - read0,
                       "written_bytes": written1 - written0, "peak_rss": peak_rss(reset) - bare})
         s = steps[-1]

@@ -60,10 +60,15 @@ def config(setting: str, nvme_dir: str) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}}}
 
 
-def io_bytes(engine) -> int:
+def nvme_bytes(engine) -> tuple[int, int]:
+    """Bytes the engine's offload pools (parameters, optimizer states) have read and written since start-up."""
     stores = [s for s in (getattr(engine.residency, "params", None), getattr(engine.residency, "states", None))
               if s is not None]
-    return sum(s.pool.bytes_read + s.pool.bytes_written for s in stores)
+    return sum(s.pool.bytes_read for s in stores), sum(s.pool.bytes_written for s in stores)
+
+
+def io_bytes(engine) -> int:
+    return sum(nvme_bytes(engine))
 
 
 def train(setting: str, args: argparse.Namespace, nvme_dir: str) -> dict:

@@ -121,8 +121,9 @@ def test_reduce_lr_on_plateau_steps_with_the_eval_metric_and_resumes(world: list
     """``lr_scheduler_type="reduce_lr_on_plateau"``: the Trainer steps it with each evaluation's loss, over the
     engine's optimizer, at stage 0 with Trainer checkpoints: the same losses, norms and halved rates as the
     plain Trainer; a resume from step 2 restores the schedule's state and continues as the first run did."""
-    first, resumed, rates = world[0]["plateau"]
+    first, resumed = world[0]["plateau"]
     _same_history(first, reference_parity(str(tmp_path), False, **PLATEAU))
+    rates = [h[2] for h in first]
     assert rates[0] == rates[1] == pytest.approx(2 * rates[2]) == pytest.approx(4 * rates[3])  # halved from eval 2
     assert len(resumed) == 4 and resumed[2:] == first[2:]  # steps 1-2 are the checkpoint's own log
 

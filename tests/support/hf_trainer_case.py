@@ -234,16 +234,16 @@ def model_init_runs(root: str, data: Any) -> tuple[list, list, bool]:
     return first, _history(trainer), trainer.engine is not engine and trainer.engine.module is trainer.model
 
 
-def plateau_runs(root: str, data: Any) -> tuple[list, list, list]:
+def plateau_runs(root: str, data: Any) -> tuple[list, list]:
     """ReduceLROnPlateau at stage 0 with Trainer checkpoints every 2 steps; a second trainer resumes from
-    the one at step 2. (histories of both, the learning rate logged at each step of the first)"""
+    the one at step 2. (histories of both)"""
     out = os.path.join(root, "plateau")
     first = parity_trainer(out, data, zeropp=True, zeropp_config=STAGE0_CONFIG, save_strategy="steps",
                            save_steps=2, **PLATEAU)
     resumed = parity_trainer(os.path.join(root, "plateau_resumed"), data, zeropp=True, zeropp_config=STAGE0_CONFIG,
                              train=False, **PLATEAU)
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
-    return _history(first), _history(resumed), [h[2] for h in _history(first)]
+    return _history(first), _history(resumed)
 
 
 def _history(trainer: Any) -> list[tuple[float, float, float]]:

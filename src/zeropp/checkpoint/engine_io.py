@@ -426,8 +426,7 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
         if rank == 0:  # the listing and every file's size, once; each rank checks what it opens itself
             check_files(manifest)
         check_model(manifest, params, type(engine.optimizer).__name__ if with_optimizer else None)
-        saved_sharded = manifest.raw["engine"].get("stage", 3) != 0
-        if manifest.world_size == engine.topo.world_size and saved_sharded == _sharded(engine):
+        if manifest.world_size == engine.topo.world_size and manifest.sharded == _sharded(engine):
             loaded, source = _read_same_world(manifest, rank, params), manifest.shard_path(rank)
         else:  # buffers, param groups and scalars come from rank 0's file (Note [stage 0 checkpoints])
             shard_rank = rank if _sharded(engine) else 0

@@ -86,6 +86,12 @@ class Manifest:
     def world_size(self) -> int:
         return int(self.raw["topology"]["world_size"])
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the shard files cut the state over the ranks (stages 1-3); False for stage 0, where every
+        file holds all of it (Note [stage 0 checkpoints] in ``engine_io.py``)."""
+        return self.raw["engine"].get("stage", 3) != 0
+
     @cached_property
     def params(self) -> tuple[ParamEntry, ...]:
         return tuple(ParamEntry(p["name"], tuple(p["aliases"]), tuple(p["shape"]), p["numel"], p["unit"],

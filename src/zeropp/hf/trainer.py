@@ -168,8 +168,7 @@ class ZeroppTrainer(transformers.Trainer):
         itself with each evaluation's metric and the engine never steps. Evaluation gives every rank the same
         metric, so every rank changes its shards' learning rate alike."""
         if self._metric_schedule:
-            self.lr_scheduler = None  # create_scheduler builds only when none is set
-            self.lr_scheduler = self.create_scheduler(num_training_steps=max_steps, optimizer=engine.optimizer)
+            self.lr_scheduler = self._trainers_schedule(max_steps, engine.optimizer)
         else:
             self.lr_scheduler = EngineScheduler(engine)
 
@@ -211,10 +210,14 @@ class ZeroppTrainer(transformers.Trainer):
 
         def build(optimizer: torch.optim.Optimizer) -> Any:
             self._schedule_built_here = True
-            self.lr_scheduler = None  # create_scheduler builds only when none is set
-            return self.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
+            return self._trainers_schedule(max_steps, optimizer)
 
         return build
+
+    def _trainers_schedule(self, max_steps: int, optimizer: torch.optim.Optimizer) -> Any:
+        """A new schedule of ``lr_scheduler_type`` over ``optimizer`` for a run of ``max_steps``."""
+        self.lr_scheduler = None  # create_scheduler builds only when none is set
+        return self.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
 
     # ---- the training loop's seam --------------------------------------------------------------------------
     def _partition_reference(self, cfg: Any) -> None:
@@ -251,10 +254,9 @@ class ZeroppTrainer(transformers.Trainer):
         schedule the Trainer built from ``lr_scheduler_type`` is built again for the new length (one given in
         ``optimizers=`` or in the config carries on), and the steps count from 0 again."""
         engine = self._require_engine("train")
-        if self._schedule_built_here and not self._metric_schedule:
-            self.lr_scheduler = None  # create_scheduler builds only when none is set
-            engine.lr_scheduler = self.create_scheduler(num_training_steps=max_steps, optimizer=engine.optimizer)
         if self._schedule_built_here:
+            if not self._metric_schedule:  # the engine steps this one
+                engine.lr_scheduler = self._trainers_schedule(max_steps, engine.optimizer)
             self._schedule(engine, max_steps)
         engine.restart_counts()
 
