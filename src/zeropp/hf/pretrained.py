@@ -30,7 +30,7 @@ import torch
 import transformers
 from torch import nn
 
-from zeropp.partition.construction import PARAMS
+from zeropp.partition.construction import PARAMS, local_device
 from zeropp.partition.meta import UninitializedError, rebuild_module
 from zeropp.partition.safetensors_chunks import SafetensorsChunks
 from zeropp.partition.spec import ShardSpec
@@ -40,7 +40,8 @@ log = logging.getLogger("zeropp")
 
 
 def from_pretrained(name_or_path: Union[str, "os.PathLike[str]"], model_class: Any = None, *,
-                    dtype: Optional[torch.dtype] = None, config: Any = None, **config_kwargs: Any) -> nn.Module:
+                    dtype: Optional[torch.dtype] = None, config: Any = None,
+                    device: Union[torch.device, str, None] = None, **config_kwargs: Any) -> nn.Module:
     """Build ``model_class`` from the checkpoint at ``name_or_path`` with its weights partitioned over the ranks.
 
     Call on every rank. ``name_or_path``: a directory with ``config.json`` and ``model.safetensors`` (or a
@@ -48,8 +49,12 @@ def from_pretrained(name_or_path: Union[str, "os.PathLike[str]"], model_class: A
     ``huggingface_hub``). ``model_class``: a ``transformers`` class or auto class (default: the
     ``architectures`` entry of the config). ``dtype``: cast floating-point weights to it (default: as stored).
     ``config``: a ``PretrainedConfig`` to use instead of the checkpoint's; ``config_kwargs`` override its fields.
+    ``device``: where the chunks and buffers live, and so where ``initialize`` trains the model (default: this
+    rank's CUDA device when there is one, else the CPU, as under ``zero.Init``; ``"cpu"`` keeps them in host
+    memory, for ``offload_param``).
     """
     ensure_process_group()
+    where = torch.device(device) if device is not None else local_device()
     path = _local(name_or_path)
     hf_config = config if config is not None else transformers.AutoConfig.from_pretrained(path, **config_kwargs)
     cls = model_class or _architecture(hf_config)
@@ -57,10 +62,10 @@ def from_pretrained(name_or_path: Union[str, "os.PathLike[str]"], model_class: A
         model = cls.from_config(hf_config) if hasattr(cls, "from_config") else cls(hf_config)
     ckpt = SafetensorsChunks(path)
     used: set[str] = set()
-    missing = _load_parameters(model, ckpt, dtype, used)
+    missing = _load_parameters(model, ckpt, dtype, used, where)
     if missing:
-        _initialize_missing(model, missing)
-    _settle_buffers(model, ckpt, used)
+        _initialize_missing(model, missing, where)
+    _settle_buffers(model, ckpt, used, where)
     unexpected = sorted(set(ckpt.keys()) - used)
     if missing:
         warnings.warn(f"from_pretrained: {len(missing)} parameters are not in the checkpoint and were initialized "
@@ -106,7 +111,7 @@ def _key(names: list[str], prefix: str, ckpt: SafetensorsChunks) -> Optional[str
 
 
 def _load_parameters(model: nn.Module, ckpt: SafetensorsChunks, dtype: Optional[torch.dtype],
-                     used: set[str]) -> list[tuple[str, nn.Parameter]]:
+                     used: set[str], device: torch.device) -> list[tuple[str, nn.Parameter]]:
     """Place this rank's chunk of every parameter the checkpoint holds; return the others (still on meta)."""
     world, rank = PARAMS.comm.topo.world_size, PARAMS.comm.topo.rank
     names: dict[int, list[str]] = {}
@@ -127,21 +132,22 @@ def _load_parameters(model: nn.Module, ckpt: SafetensorsChunks, dtype: Optional[
         chunk = ckpt.read_chunk(key, spec, rank)
         if dtype is not None and chunk.is_floating_point():
             chunk = chunk.to(dtype)
-        new = nn.Parameter(torch.empty(0, dtype=chunk.dtype), requires_grad=p.requires_grad)
+        chunk = chunk.to(device)
+        new = nn.Parameter(torch.empty(0, dtype=chunk.dtype, device=device), requires_grad=p.requires_grad)
         PARAMS.place(new, names[pid][0], chunk, spec)
         for module, attr in holders[pid]:
             module._parameters[attr] = new
     return missing
 
 
-def _initialize_missing(model: nn.Module, missing: list[tuple[str, nn.Parameter]]) -> None:
+def _initialize_missing(model: nn.Module, missing: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
     """Initialize parameters the checkpoint lacks with the model's ``_init_weights``, one holder module at a
     time, and partition them from rank 0's values."""
     init = getattr(model, "_init_weights", None)
     holders = _holders(model)
     for name, p in missing:
-        new = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype) if p.is_floating_point()
-                           else torch.zeros(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        new = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype, device=device) if p.is_floating_point()
+                           else torch.zeros(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
         for module, attr in holders[id(p)]:
             module._parameters[attr] = new
         if callable(init):
@@ -154,19 +160,23 @@ def _initialize_missing(model: nn.Module, missing: list[tuple[str, nn.Parameter]
         PARAMS.partition([(name, new)])
 
 
-def _settle_buffers(model: nn.Module, ckpt: SafetensorsChunks, used: set[str]) -> None:
-    """Buffers left on meta: from the checkpoint, else recomputed by constructing their module again."""
+def _settle_buffers(model: nn.Module, ckpt: SafetensorsChunks, used: set[str], device: torch.device) -> None:
+    """Buffers left on meta: from the checkpoint, else recomputed by constructing their module again; every
+    buffer ends on ``device``."""
     names = {id(m): n for n, m in model.named_modules()}
     limit = max((p.numel() for p in model.parameters()), default=0)
     for module in model.modules():
         rebuilt: Any = None
         for attr, buf in list(module._buffers.items()):
-            if buf is None or not buf.is_meta:
+            if buf is None:
+                continue
+            if not buf.is_meta:  # built on a device named in the model's code: onto the model's
+                module._buffers[attr] = buf.to(device)
                 continue
             name = f"{names[id(module)]}.{attr}" if names[id(module)] else attr
             if name in ckpt:
                 used.add(name)
-                module._buffers[attr] = ckpt.read(name).to(buf.dtype)
+                module._buffers[attr] = ckpt.read(name).to(device=device, dtype=buf.dtype)
                 continue
             if rebuilt is None:
                 rebuilt = rebuild_module(module, limit)
@@ -175,4 +185,4 @@ def _settle_buffers(model: nn.Module, ckpt: SafetensorsChunks, used: set[str]) -
                 why = rebuilt if isinstance(rebuilt, str) else "constructed again, it has no such buffer"
                 raise UninitializedError(f"buffer {name!r} is not in the checkpoint and cannot be recomputed from a "
                                          f"real construction of {type(module).__name__}: {why}")
-            module._buffers[attr] = theirs.to(buf.dtype).clone()
+            module._buffers[attr] = theirs.to(device=device, dtype=buf.dtype).clone()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar
@@ -206,6 +207,14 @@ class PartitionedParams:
                 f"was read by {name!r} outside a module's __init__: this rank holds only its chunk. Read or change "
                 "it inside zeropp.zero.GatheredParameters(params, modifier_rank=0) entered on every rank, or "
                 "after zeropp.initialize through the engine")
+
+
+def local_device() -> torch.device:
+    """Where construction puts a model by default: this rank's CUDA device (torchrun's ``LOCAL_RANK``) when
+    there is one, as DeepSpeed's ``zero.Init`` does, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 #: the one table of this process (construction is per process; an engine adopts what it trains)

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from zeropp.config import read_json
 from zeropp.partition.access import METADATA, STORAGE_INFO, call_args, call_name, is_noop
-from zeropp.partition.construction import PARAMS, State
+from zeropp.partition.construction import PARAMS, State, local_device
 from zeropp.topology import ensure_process_group
 from zeropp.zero import gathered, idle_watch
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
@@ -275,10 +275,8 @@ class Init:
             return self
         _ensure_group()
         if not _ACTIVE:
-            device = None
-            if torch.cuda.is_available():
-                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            c = _Construction(self.dtype, self._shard_device(), device)
+            device = local_device()
+            c = _Construction(self.dtype, self._shard_device(), device if device.type != "cpu" else None)
             c.install()
             _ACTIVE.append(c)
         _DEPTH[0] += 1
