@@ -107,6 +107,15 @@ def _same_history(got: list, want: list) -> None:
         assert g[2] == pytest.approx(w[2], rel=1e-12), f"step {step} learning_rate"
 
 
+@pytest.mark.parametrize("built", ["zero_init", "pretrained"])
+def test_a_model_partitioned_at_construction_trains_as_the_plain_trainers(world: list[dict], tmp_path: Path,
+                                                                          built: str) -> None:
+    """The model built under ``zero.Init``, or read by ``zeropp.hf.from_pretrained``: the Trainer's move to its
+    device leaves the partitioned parameters where they are (``.to`` on one was refused), and the run is the
+    plain Trainer's step by step."""
+    _same_history(world[0]["parity_built"][built], reference_parity(str(tmp_path), False))
+
+
 def test_model_init_builds_a_new_model_and_engine_for_each_train(world: list[dict], tmp_path: Path) -> None:
     """``model_init`` (what hyperparameter search uses): each ``train()`` starts from a new model, so both runs
     equal the plain Trainer's first run, and the second ran on a new engine over the new model."""

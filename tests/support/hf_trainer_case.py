@@ -15,7 +15,7 @@ import copy
 import os
 import shutil
 import types
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -126,6 +126,7 @@ def run(rank: int, world: int, root: str) -> dict:
                               torch_compile_backend="aot_eager")
     result["parity_compiled"] = (_history(compiled), compiled.engine.is_compiled)
     result["parity_epoch"] = _history(parity_trainer(os.path.join(root, "parity3"), data, zeropp=True, epoch=True))
+    result["parity_built"] = built_runs(root, data)
     result["model_init"] = model_init_runs(root, data)
     result["plateau"] = plateau_runs(root, data)
     result["errors"] = errors(root, data)
@@ -190,12 +191,13 @@ PLATEAU = dict(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps", 
 
 
 def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = False, epoch: bool = False,
-                   model_init: bool = False, zeropp_config: Any = None, train: bool = True, **extra: Any) -> Any:
+                   model_init: bool = False, zeropp_config: Any = None, train: bool = True,
+                   build: Optional[Callable[[], torch.nn.Module]] = None, **extra: Any) -> Any:
     """``batch_mean_loss``: the model is not handed the accumulated token count, so each micro-batch's loss is
     its own mean and the Trainer's rule divides it by the accumulation steps (the engine does, here).
     ``epoch``: one epoch of ``EPOCH_ROWS`` rows whose last window is shorter. ``model_init``: the model comes
     from ``model_init`` (a new one at each ``train()``). An ``eval_strategy`` in ``extra`` evaluates on 16
-    rows."""
+    rows. ``build`` makes the model another way (zero.Init, from_pretrained); it must give seed 2's weights."""
     import transformers
     from zeropp.hf import ZeroppTrainer
 
@@ -210,7 +212,8 @@ def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = Fa
                               save_strategy="no", train_sampling_strategy="sequential")
     kw.update(length, **batch, **extra)
     args = training_args(out, **kw)
-    model = dict(model_init=lambda: tiny_gpt2(seed=2)) if model_init else dict(model=tiny_gpt2(seed=2))
+    make = build or (lambda: tiny_gpt2(seed=2))
+    model = dict(model_init=make) if model_init else dict(model=make())
     given = dict(train_dataset=data, eval_dataset=corpus_windows(16) if "eval_strategy" in extra else None)
     if zeropp:
         config = copy.deepcopy(zeropp_config or PARITY_CONFIG)
@@ -224,6 +227,32 @@ def parity_trainer(out: str, data: Any, zeropp: bool, batch_mean_loss: bool = Fa
 
 
 STAGE0_CONFIG = {"zero_optimization": {"stage": 0}}
+
+
+def built_runs(root: str, data: Any) -> dict[str, list]:
+    """The parity run with the model partitioned at construction, as big models are built: under
+    ``zero.Init``, and read by ``zeropp.hf.from_pretrained`` from a directory rank 0 saved (seed 2's weights)."""
+    import torch.distributed as dist
+
+    import zeropp
+    from zeropp.hf import from_pretrained
+
+    def under_init() -> torch.nn.Module:
+        with zeropp.zero.Init():
+            return tiny_gpt2(seed=2)
+
+    saved = os.path.join(root, "seed2")
+    if dist.get_rank() == 0:
+        tiny_gpt2(seed=2).save_pretrained(saved)
+    dist.barrier()
+
+    def pretrained() -> torch.nn.Module:
+        model = from_pretrained(saved)
+        model.loss_type = "ForCausalLM"  # as tiny_gpt2 sets it (the config does not keep it)
+        return model.train()
+
+    return {name: _history(parity_trainer(os.path.join(root, f"built_{name}"), data, zeropp=True, build=make))
+            for name, make in (("zero_init", under_init), ("pretrained", pretrained))}
 
 
 def model_init_runs(root: str, data: Any) -> tuple[list, list, bool]:

@@ -33,6 +33,7 @@ from zeropp.config_auto import AutoValues
 from zeropp.hf.adapters import EngineModule, EngineOptimizer, EngineScheduler, PlainModule
 from zeropp.hf.export import save_companions, save_fp32_pretrained
 from zeropp.hf.values import auto_values, check_trainer_owned, trainer_config
+from zeropp.partition.construction import move_model
 from zeropp.zero.engine import ZeroEngine
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any]]
@@ -129,6 +130,12 @@ class ZeroppTrainer(transformers.Trainer):
             problems.append("accelerate's DeepSpeed/FSDP plugin (accelerate launch --use_deepspeed/--use_fsdp): "
                             "zeropp takes their place; launch with torchrun")
         self._refuse(problems)
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The Trainer puts the model on ``args.device`` before training; a model partitioned at construction
+        (``zero.Init``, ``from_pretrained``) is already there and has nothing whole to move, so only what is not
+        partitioned moves (Note: ``move_model`` in ``partition/construction.py``)."""
+        move_model(model, device)
 
     @staticmethod
     def _refuse(problems: list[str]) -> None:

@@ -26,7 +26,7 @@ import itertools
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
 import torch
 from torch import nn
@@ -215,6 +215,45 @@ def local_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        here = torch.cuda.current_device()
+        return (a.index if a.index is not None else here) == (b.index if b.index is not None else here)
+    return a.index == b.index or a.index is None or b.index is None
+
+
+def move_model(model: nn.Module, device: Union[torch.device, str]) -> nn.Module:
+    """``model.to(device)`` for a model that may hold parameters partitioned at construction.
+
+    A partitioned parameter has no full values to move (``.to`` on it is refused by name), so it must already
+    live on ``device`` (``zero.Init`` builds on this rank's device, ``from_pretrained`` takes ``device=``);
+    everything else (buffers, parameters made outside the context) moves as ``.to`` moves it. A model with no
+    partitioned parameter is simply moved.
+    """
+    device = torch.device(device)
+    params = list(model.parameters())
+    partitioned = [p for p in params if PARAMS.get(p) is not None]
+    if not partitioned:
+        return model.to(device)
+    for p in partitioned:
+        if not _same_device(p.device, device):
+            label = PARAMS.get(p).label
+            raise ValueError(f"parameter {label!r} was partitioned at construction on {p.device} and cannot be moved "
+                             f"to {device} (this rank holds only its chunk): build the model on {device} "
+                             "(zero.Init builds on this rank's device; zeropp.hf.from_pretrained(..., device=...))")
+    with torch.no_grad():
+        for p in params:
+            if PARAMS.get(p) is None and not _same_device(p.device, device):
+                p.data = p.data.to(device)  # in place of the Parameter: tied holders keep one object
+        for module in model.modules():
+            for attr, buf in module._buffers.items():
+                if buf is not None and not _same_device(buf.device, device):
+                    module._buffers[attr] = buf.to(device)
+    return model
 
 
 #: the one table of this process (construction is per process; an engine adopts what it trains)
