@@ -228,3 +228,78 @@ def client_module_id():
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     assert before == engine.id
     destroy(engine)
+
+
+# ---- TestZero3InitForParentWeightInitialization ------------------------------------------------------------------
+@case("TestZero3InitForParentWeightInitialization::test", 2)
+def parent_weight_init():
+    import math
+    deepspeed = ds()
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0, "contiguous_gradients": True,
+                                 "overlap_comm": True},
+           "optimizer": adam(1.0), "bf16": bf16()}
+
+    class ModelWhereParentInitializesChildWeights(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(12, 1)
+            self.apply(self.__init_weights)
+
+        def __init_weights(self, module):
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    module.weight.fill_(1 + dist.get_rank())
+
+    with deepspeed.zero.Init(config_dict_or_path=cfg, mem_efficient_linear=False, enabled=True):
+        model = ModelWhereParentInitializesChildWeights()
+    assert model.linear.weight.ds_tensor.numel() == math.ceil(12 / dist.get_world_size())
+    assert torch.allclose(model.linear.weight.ds_tensor, torch.full_like(model.linear.weight.ds_tensor, 1))
+
+
+# ---- TestParamPartitioningSkipInit (its fp16 parametrization adapts to the same bf16 case) ------------------------
+@case("TestParamPartitioningSkipInit[dtype=bfloat16]", 2)
+def skip_init_partitioning():
+    import math
+    from torch.nn.utils import skip_init
+    deepspeed = ds()
+    cfg = {"train_batch_size": 4, "steps_per_print": 1, "optimizer": adam(1e-4), "zero_optimization": {"stage": 3},
+           "bf16": bf16()}
+    hidden_dim = 10
+
+    class SubModel(nn.Module):
+        def __init__(self, input_size, output_size, dropout_prob=0.5, device=None):
+            super().__init__()
+            self.linear = nn.Linear(input_size, output_size, device=device)
+            self.dropout = nn.Dropout(dropout_prob)
+            self.module_list = nn.ModuleList([nn.Linear(input_size, output_size, device=device)])
+
+        def forward(self, x):
+            return self.module_list[0](self.dropout(self.linear(x)))
+
+    class MyModel(nn.Module):
+        def __init__(self, hidden_dim):
+            super().__init__()
+            self.l1 = skip_init(nn.Linear, hidden_dim, hidden_dim)
+            self.l2 = skip_init(SubModel, hidden_dim, hidden_dim)
+            self.l3 = nn.Linear(hidden_dim, hidden_dim)
+            self.cel = nn.CrossEntropyLoss()
+            self.l4 = skip_init(SubModel, hidden_dim, hidden_dim)
+
+        def forward(self, x, y):
+            x = self.l4(self.l3(self.l2(self.l1(x))))
+            return [x, self.cel(x, y)]
+
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = MyModel(hidden_dim)
+    numel = math.ceil(hidden_dim * hidden_dim / dist.get_world_size())
+    for p in (model.l1.weight, model.l2.linear.weight, model.l2.module_list[0].weight, model.l3.weight,
+              model.l4.linear.weight, model.l4.module_list[0].weight):
+        assert p.ds_tensor.numel() == numel
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    dist.barrier()
+    for x, y in _batches(engine, 16, hidden_dim):
+        loss = engine(x, y)[1]
+        engine.backward(loss)
+        engine.step()
+    destroy(engine)

@@ -56,7 +56,12 @@ def alias_run(rank: int, stage: int, offload: bool) -> dict:
         engine.backward(loss)
         if step == 0:
             out["grads"] = {n: utils.safe_get_full_grad(p) for n, p in model.named_parameters()}
+            names = {id(p): n for n, p in model.named_parameters()}
+            out["norm_groups"] = dict(zip((names[id(p)] for [p] in optimizer.fp16_groups),
+                                          (float(t) for t in optimizer._get_norm_groups())))
         engine.step()
+        if step == 0:
+            out["global_norm"] = optimizer._global_grad_norm
         if step == 1:
             out["after1"] = snapshot(model, utils, True)
             for name, p in model.named_parameters():
@@ -83,6 +88,7 @@ def zero_optimizer_view(engine, optimizer, model) -> dict:
             "groups3": sorted(names[id(p)] for [p] in optimizer.fp16_groups),
             "groups12": sorted(names[id(p)] for g in optimizer.bit16_groups for p in g),
             "global_steps": engine.global_steps, "inner_is_engines": inner is engine.optimizer,
+            "class": type(optimizer).__name__,
             "step_refused": error_of(optimizer.step).split(":")[0]}
 
 
@@ -469,6 +475,21 @@ def test_the_returned_optimizer_reads_as_deepspeeds_zero_optimizer(stage, offloa
         assert view["steps3"] == view["steps12"] == [3.0] * len(names)
         assert view["groups3"] == view["groups12"] == names
         assert view["step_refused"] == "DeepSpeedAPIError"
+        assert view["class"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
+
+
+@pytest.mark.parametrize("stage,offload", VARIANTS)
+def test_the_optimizers_norm_groups_are_each_gradients_norm(stage, offload):
+    """``optimizer._get_norm_groups()`` after a backward (what DeepSpeed's TestZeroGradClip reads before and after
+    clipping gradients by hand): each parameter's gradient norm, as the single-process reference has it; their
+    L2 norm is ``_global_grad_norm`` once the step ran."""
+    ref = reference()
+    for res in results():
+        got = res[(stage, offload)]
+        want = {n: float(g.float().norm()) for n, g in ref["grads"].items()}
+        assert got["norm_groups"] == pytest.approx(want, rel=1e-5)
+        total = sum(v * v for v in got["norm_groups"].values()) ** 0.5
+        assert got["global_norm"] == pytest.approx(total, rel=1e-5)
 
 
 @pytest.mark.parametrize("stage,offload", VARIANTS)

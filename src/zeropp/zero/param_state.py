@@ -144,6 +144,26 @@ def local_grad(loc: Located) -> Optional[torch.Tensor]:
     return loc.unit.grad_views()[loc.index][: stop - start].detach().float().mul(loc.engine.grad_unscale)
 
 
+def grad_norms(locs: list[Located]) -> list[torch.Tensor]:
+    """Each parameter's unscaled gradient L2 norm, as the next step sees it (0 before any backward); collective:
+    one all-reduce of the squared norms of this rank's parts (stages 2-3), whole gradients at stages 0-1."""
+    if not locs:
+        return []
+    engine = locs[0].engine
+    if not engine.plan.reduces_as_ready:
+        return [torch.zeros((), dtype=torch.float32) if g is None else torch.linalg.vector_norm(g)
+                for g in (full_grad(loc) for loc in locs)]
+    device = locs[0].unit.device
+    sq = torch.zeros(len(locs), dtype=torch.float64, device=device)
+    for i, loc in enumerate(locs):
+        g = local_grad(loc)
+        if g is not None:
+            sq[i] = torch.linalg.vector_norm(g.to(device), dtype=torch.float64).square()
+    if engine.shard_world > 1:
+        engine.comm.all_reduce(sq, engine.topo.world, Phase.OTHER)
+    return list(sq.sqrt().to(torch.float32).unbind())
+
+
 def set_grad(loc: Located, value: torch.Tensor, local: bool = False) -> None:
     """Replace the gradient the next step uses (``value`` unscaled; ``local``: this rank's part, stages 2-3)."""
     engine, slot = loc.engine, loc.slot

@@ -12,7 +12,7 @@ from zeropp._version import __version__ as __zeropp_version__
 from zeropp.api import InitResult
 from zeropp.api import initialize as _initialize
 from zeropp.compat.deepspeed import comm, runtime, utils, zero
-from zeropp.compat.deepspeed.runtime.zero.zero_optimizer import ZeroOptimizerView
+from zeropp.compat.deepspeed.runtime.zero.zero_optimizer import zero_optimizer_view
 from zeropp.deepspeed_api import MISSING_MODULE_API, add_config_arguments, init_distributed, missing
 
 __version__ = "0.19.8"
@@ -25,7 +25,7 @@ def initialize(*args: Any, **kwargs: Any) -> InitResult:
     (``runtime/zero/zero_optimizer.py``): ``optimizer.optimizer.state[...]``, ``fp16_groups``, ... as DeepSpeed's
     scripts read them."""
     result = _initialize(*args, **kwargs)
-    return result._replace(optimizer=ZeroOptimizerView(result.engine))
+    return result._replace(optimizer=zero_optimizer_view(result.engine))
 
 
 initialize.__wrapped__ = _initialize  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 import contextlib
 from typing import Any, Iterator
 
+from zeropp.compat.deepspeed.runtime.zero.zero_optimizer import DeepSpeedZeroOptimizer_Stage3
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 
 
@@ -18,4 +19,4 @@ def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
         yield model
 
 
-__all__ = ["unwrap_model_for_generation"]
+__all__ = ["DeepSpeedZeroOptimizer_Stage3", "unwrap_model_for_generation"]

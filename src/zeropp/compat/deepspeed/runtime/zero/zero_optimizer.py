@@ -11,10 +11,11 @@ pair each master with its parameter (one sub-group per parameter), stages 1-2's 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from zeropp.zero import param_state as ps
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 
 
@@ -74,6 +75,21 @@ class ZeroOptimizerView:
 
     cur_scale = loss_scale
 
+    @property
+    def _global_grad_norm(self) -> Optional[float]:
+        """The gradients' global norm at the last step (before clipping), as DeepSpeed's optimizer keeps it."""
+        return self._engine.get_global_grad_norm()
+
+    def _get_norm_groups(self) -> list[torch.Tensor]:
+        """Each sub-group's gradient norm as the next step sees it (here one per parameter, the sub-groups of
+        ``fp16_groups``); collective, so every rank calls. Their L2 norm is the global gradient norm."""
+        locs = []
+        for p, _ in self._pairs():
+            loc = ps.locate(p)
+            if loc is not None:
+                locs.append(loc)
+        return ps.grad_norms(locs)
+
     def state_dict(self) -> dict:
         """This rank's part of the optimizer state (the torch optimizer's over its master chunks)."""
         return self._engine.optimizer.state_dict()
@@ -90,7 +106,22 @@ class ZeroOptimizerView:
             raise AttributeError(name)
         raise DeepSpeedAPIError(f"the ZeRO optimizer's {name!r} is not provided by zeropp; it offers optimizer, "
                                 "param_groups, state, fp16_groups, fp32_partitioned_groups_flat, bit16_groups, "
-                                "single_partition_of_fp32_groups, loss_scale, state_dict and zero_grad")
+                                "single_partition_of_fp32_groups, loss_scale, _get_norm_groups, _global_grad_norm, "
+                                "state_dict and zero_grad")
 
     def __repr__(self) -> str:
-        return f"ZeroOptimizerView({self._engine.optimizer!r})"
+        return f"{type(self).__name__}({self._engine.optimizer!r})"
+
+
+class DeepSpeedZeroOptimizer(ZeroOptimizerView):
+    """What ``deepspeed.initialize`` returns as the optimizer at stages 0-2 (DeepSpeed's name, for isinstance)."""
+
+
+class DeepSpeedZeroOptimizer_Stage3(ZeroOptimizerView):  # noqa: N801 (DeepSpeed's class name)
+    """What ``deepspeed.initialize`` returns as the optimizer at stage 3 (DeepSpeed's name, for isinstance)."""
+
+
+def zero_optimizer_view(engine: Any) -> ZeroOptimizerView:
+    """The view of DeepSpeed's ZeRO optimizer for ``engine``'s stage."""
+    stage3 = engine.plan.shards_weights
+    return DeepSpeedZeroOptimizer_Stage3(engine) if stage3 else DeepSpeedZeroOptimizer(engine)
