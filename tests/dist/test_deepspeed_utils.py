@@ -186,6 +186,31 @@ def ds_views(rank: int) -> dict:
     return out
 
 
+def hpz_views(rank: int) -> dict:
+    """``ds_secondary_tensor`` and ``ds_zero_param_process_group`` without hpZ and with groups of 2 (the world
+    here): before the first forward, after it (the slice cut when the unit was released), after the step."""
+    import deepspeed
+    out = {}
+    for size in (1, 2):
+        torch.manual_seed(0)
+        model = PairNet()
+        engine, *_ = deepspeed.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 3, "zero_hpz_partition_size": size}})
+        p = model.pairs[0].a.weight
+        seen = {"before": p.ds_secondary_tensor, "group": p.ds_zero_param_process_group is not None}
+        loss = engine(torch.ones(2, 4))
+        seen["forward"] = p.ds_secondary_tensor
+        engine.backward(loss)
+        with deepspeed.zero.GatheredParameters([p]):
+            seen["full"] = p.detach().clone()
+        engine.step()
+        seen["stepped"] = p.ds_secondary_tensor
+        out[size] = seen
+        engine.close()
+    return out
+
+
 REDUCTIONS = {"mean": {}, "all_reduce": {"reduce_scatter": False}, "sum": {"gradient_allreduce_op": "sum"},
               "predivide": {"gradient_predivide_factor": 4.0},
               "sum_predivide": {"gradient_allreduce_op": "sum", "gradient_predivide_factor": 4.0},
@@ -403,6 +428,7 @@ def scenario(rank: int, world: int) -> dict:
     out["reductions"] = reductions(rank)
     out["leaves"] = leaf_units(rank)
     out["views"] = ds_views(rank)
+    out["hpz"] = hpz_views(rank)
     out["engine"] = engine_module(rank)
     out["writes"] = gathered_writes(rank)
     out["unused"] = unused(rank)
@@ -515,6 +541,17 @@ def test_leaf_modules_by_class_name_suffix_and_config_are_whole_units():
         losses = {how: v["loss"] for how, v in leaves.items() if isinstance(v, dict)}
         assert len(set(losses.values())) == 1, losses  # the units change, the values do not
         assert "No modules of type" in leaves["not_found"]
+
+
+def test_the_secondary_partition_is_read_while_current():
+    """hpZ's slice of a parameter (DeepSpeed's ``ds_secondary_tensor``, read by its test_zeropp.py) exists from the
+    unit's release after a forward until the optimizer step changes the weights; its values are the rank's
+    part of the weights; without hpZ there is none and no group."""
+    for rank, res in enumerate(results()):
+        plain, hpz = res["hpz"][1], res["hpz"][2]
+        assert plain["before"] is plain["forward"] is plain["stepped"] is None and not plain["group"]
+        assert hpz["group"] and hpz["before"] is None and hpz["stepped"] is None
+        assert torch.equal(hpz["forward"], hpz["full"].reshape(-1)[rank * 8:(rank + 1) * 8])
 
 
 def test_parameter_attributes_are_views_of_the_partitioned_state():

@@ -19,13 +19,14 @@ parameter, gathered whole from every rank's chunk, or this rank's part of it, an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
 from zeropp.comm.ledger import Phase
 from zeropp.partition.unit import ParamSlot, Unit
+from zeropp.plus.hpz import HpzGather
 from zeropp.zero import gathered
 
 if TYPE_CHECKING:
@@ -118,6 +119,31 @@ def set_master(loc: Located, value: torch.Tensor, local: bool = False) -> None:
 
 
 # ---- the gradient ---------------------------------------------------------------------------------------------
+def _hpz(engine: "ZeroEngine") -> Optional[HpzGather]:
+    gather = engine.strategies.forward_gather
+    gather = getattr(gather, "trainable", gather)  # past FrozenApart
+    return gather if isinstance(gather, HpzGather) else None
+
+
+def hpz_group(loc: Located) -> Any:
+    """The process group of hpZ's secondary partition of the parameter (``zero_hpz_partition_size`` > 1), or
+    None without hpZ."""
+    hpz = _hpz(loc.engine)
+    return None if hpz is None else hpz.group.handle
+
+
+def secondary_part(loc: Located) -> Optional[torch.Tensor]:
+    """This rank's slice of the parameter in hpZ's secondary copy (a copy, padding included), or None: no hpZ, or
+    no current slice (none is cut before the unit's first forward, and the weights changed since the last was
+    cut: Note [secondary staleness] in ``plus/hpz.py``)."""
+    hpz = _hpz(loc.engine)
+    if hpz is None or not hpz.store.is_current(loc.unit):
+        return None
+    layout = loc.unit.group_layout(hpz.group.size)
+    off, size = layout.offsets[loc.index], layout.chunks[loc.index]
+    return hpz.store.rows[loc.unit.index][off : off + size].clone()
+
+
 def full_grad(loc: Located) -> Optional[torch.Tensor]:
     """The parameter's averaged, unscaled gradient as the next step will use it; None before any backward."""
     engine, slot = loc.engine, loc.slot

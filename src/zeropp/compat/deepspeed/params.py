@@ -10,11 +10,14 @@ subclass with no state of its own, whose properties read where zeropp keeps the 
   else ``NOT_AVAILABLE``;
 * ``ds_tensor``: this rank's part of the values (a copy, in the parameter's dtype; padding left out);
 * ``ds_id``: a number unique among the parameters of its engine (or of those partitioned at construction);
-* ``ds_persist``: whether its unit persists (stays gathered between passes: Note [persistent units]).
+* ``ds_persist``: whether its unit persists (stays gathered between passes: Note [persistent units]);
+* ``ds_secondary_tensor``: this rank's slice of it in hpZ's secondary copy (a copy), or None without hpZ or while
+  no current slice exists (before the unit's first forward, and from an optimizer step to the next forward);
+* ``ds_zero_param_process_group``: the process group of that secondary partition, or None without hpZ.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -75,6 +78,16 @@ class DeepSpeedParameter(nn.Parameter):
             raise DeepSpeedAPIError("param.ds_tensor: the parameter is not partitioned")
         start, stop = rec.spec.owned(PARAMS.comm.topo.rank)
         return rec.shard[: stop - start].clone()
+
+    @property
+    def ds_secondary_tensor(self) -> Optional[torch.Tensor]:
+        loc = ps.locate(self)
+        return None if loc is None else ps.secondary_part(loc)
+
+    @property
+    def ds_zero_param_process_group(self) -> Any:
+        loc = ps.locate(self)
+        return None if loc is None else ps.hpz_group(loc)
 
     @property
     def ds_id(self) -> int:
