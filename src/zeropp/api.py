@@ -18,6 +18,7 @@ from torch import nn
 from zeropp import checkpointing
 from zeropp import topology as topo_mod
 from zeropp.checkpoint import CheckpointingEngine
+from zeropp.comm.buffers import BufferPools
 from zeropp.comm.gather import AllGather
 from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
@@ -66,8 +67,10 @@ def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
     )
     backward = AllGather(comm)
     if zero.zero_hpz_partition_size > 1:
-        store = SecondaryStore()  # shared: a slice cut after forward serves backward
-        forward, backward = HpzGather(comm, forward, store), HpzGather(comm, backward, store)
+        # shared: a slice cut after forward serves backward; one pool of output rows (Note [hpZ slices at initialize])
+        store, pools = SecondaryStore(), BufferPools("hpz", "out")
+        forward = HpzGather(comm, forward, store, pools)
+        backward = HpzGather(comm, backward, store, pools, reports_pools=False)
     if zero.zero_quantized_gradients:
         reduce = QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block, _loco(zero))
     else:

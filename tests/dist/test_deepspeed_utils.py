@@ -188,7 +188,7 @@ def ds_views(rank: int) -> dict:
 
 def hpz_views(rank: int) -> dict:
     """``ds_secondary_tensor`` and ``ds_zero_param_process_group`` without hpZ and with groups of 2 (the world
-    here): before the first forward, after it (the slice cut when the unit was released), after the step."""
+    here): before the first forward (the slice cut at initialize), after it, after the step."""
     import deepspeed
     out = {}
     for size in (1, 2):
@@ -199,6 +199,8 @@ def hpz_views(rank: int) -> dict:
             "zero_optimization": {"stage": 3, "zero_hpz_partition_size": size}})
         p = model.pairs[0].a.weight
         seen = {"before": p.ds_secondary_tensor, "group": p.ds_zero_param_process_group is not None}
+        with deepspeed.zero.GatheredParameters([p]):
+            seen["initial"] = p.detach().clone()
         loss = engine(torch.ones(2, 4))
         seen["forward"] = p.ds_secondary_tensor
         engine.backward(loss)
@@ -544,13 +546,14 @@ def test_leaf_modules_by_class_name_suffix_and_config_are_whole_units():
 
 
 def test_the_secondary_partition_is_read_while_current():
-    """hpZ's slice of a parameter (DeepSpeed's ``ds_secondary_tensor``, read by its test_zeropp.py) exists from the
-    unit's release after a forward until the optimizer step changes the weights; its values are the rank's
-    part of the weights; without hpZ there is none and no group."""
+    """hpZ's slice of a parameter (DeepSpeed's ``ds_secondary_tensor``, read by its test_zeropp.py) exists from
+    ``initialize`` (Note [hpZ slices at initialize]) and from each forward's release until the optimizer step
+    changes the weights; its values are the rank's part of the weights; without hpZ there is none and no group."""
     for rank, res in enumerate(results()):
         plain, hpz = res["hpz"][1], res["hpz"][2]
         assert plain["before"] is plain["forward"] is plain["stepped"] is None and not plain["group"]
-        assert hpz["group"] and hpz["before"] is None and hpz["stepped"] is None
+        assert hpz["group"] and hpz["stepped"] is None
+        assert torch.equal(hpz["before"], hpz["initial"].reshape(-1)[rank * 8:(rank + 1) * 8])
         assert torch.equal(hpz["forward"], hpz["full"].reshape(-1)[rank * 8:(rank + 1) * 8])
 
 

@@ -87,6 +87,7 @@ class _Watched:
 
     def __init__(self, inner: Any, rec: Recorder) -> None:
         self.inner, self.rec = inner, rec
+        self.keeps_copies = getattr(inner, "keeps_copies", False)
 
     def _call(self, name: str, *args: Any) -> Any:
         with _CountAllocations(self.rec):

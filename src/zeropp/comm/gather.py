@@ -162,6 +162,8 @@ class AllGather:
     """Gather every rank's row of the unit over ``group`` (the world for ZeRO-3, by the world's route: Note
     [two-hop gather]), in the compute dtype."""
 
+    keeps_copies = False
+
     def __init__(self, comm: Comm, group: Group | None = None) -> None:
         self.comm = comm
         self.route = WorldRoute(comm, group)

@@ -37,6 +37,10 @@ class PendingGather(Protocol):
 
 
 class GatherStrategy(Protocol):
+    #: whether ``on_release`` keeps copies that later gathers read (hpZ's secondary slices); the engine then
+    #: makes them at initialize (Note [hpZ slices at initialize] in ``plus/hpz.py``)
+    keeps_copies: bool
+
     def start(self, unit: Unit, phase: Phase) -> PendingGather:
         """Issue the collectives that gather ``unit`` (asynchronously where possible)."""
 

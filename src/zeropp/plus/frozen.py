@@ -131,6 +131,8 @@ class FrozenGather:
     """Gather a :class:`QuantizedFrozenUnit`'s stored int8 rows over the world, or over the hpZ group from the
     slices kept at the last world gather (Note [quantized frozen weights])."""
 
+    keeps_copies = False  # its slices are kept as a world gather arrives, not on release
+
     def __init__(self, comm: Comm, hpz: Optional[Group] = None) -> None:
         self.comm = comm
         self.world = WorldRoute(comm)  # Note [two-hop gather] in comm/gather.py
@@ -185,6 +187,7 @@ class FrozenApart:
     """
 
     def __init__(self, trainable: GatherStrategy, frozen: FrozenGather, reports_frozen: bool = True) -> None:
+        self.keeps_copies = trainable.keeps_copies
         self.trainable = trainable
         self.frozen = frozen
         self.reports_frozen = reports_frozen

@@ -6,6 +6,13 @@ slices over the hpZ group only, so they never cross the slow inter-node link. Th
 buffers (Note [buffer pool] in ``comm/buffers.py``); the slices themselves are model state, one row per
 unit, allocated once.
 
+Note [hpZ slices at initialize]: ``initialize`` gathers each unit once through the forward strategy (one unit's
+full weights at a time, before the ledger is reset: set-up traffic) and releases it, which cuts its slice, as
+DeepSpeed cuts the secondary partition when it partitions a parameter. So the slices exist from the start (a
+parameter's ``ds_secondary_tensor`` is there before the first forward, as in DeepSpeed), and the first forward
+gathers inside the node, as every backward does. The forward and backward strategies share one store and one
+pool of output rows, so a forward that gathers from slices adds no buffer of its own.
+
 Note [secondary staleness]: a slice records the unit's ``version`` it was cut from; the engine bumps the
 version on every weight change (optimizer step, state-dict or checkpoint load). A slice whose version
 differs is never read: the gather falls back to the primary strategy and a fresh slice is cut on release.
@@ -13,6 +20,7 @@ differs is never read: the gather falls back to the primary strategy and a fresh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -54,14 +62,21 @@ class SecondaryStore:
 
 
 class HpzGather:
-    """Gather from current secondary slices over the hpZ group; otherwise through ``primary``."""
+    """Gather from current secondary slices over the hpZ group; otherwise through ``primary``.
 
-    def __init__(self, comm: Comm, primary: GatherStrategy, store: SecondaryStore) -> None:
+    The forward and backward instances share ``store`` and ``pools`` (Note [hpZ slices at initialize]); only the
+    one built with ``reports_pools`` lists the pools' bytes, so the memory report counts them once."""
+
+    keeps_copies = True
+
+    def __init__(self, comm: Comm, primary: GatherStrategy, store: SecondaryStore,
+                 pools: Optional[BufferPools] = None, reports_pools: bool = True) -> None:
         self.comm = comm
         self.primary = primary
         self.store = store
         self.group = comm.topo.hpz
-        self.pools = BufferPools("hpz", "out")
+        self.pools = pools if pools is not None else BufferPools("hpz", "out")
+        self.reports_pools = reports_pools
 
     def start(self, unit: Unit, phase: Phase) -> PendingGather:
         if not self.store.is_current(unit):
@@ -85,4 +100,5 @@ class HpzGather:
         return list(self.store.rows.values()) + self.primary.held_tensors()
 
     def buffer_bytes(self) -> dict[str, int]:
-        return {**self.pools.buffer_bytes(), **self.primary.buffer_bytes()}
+        own = self.pools.buffer_bytes() if self.reports_pools else {}
+        return {**own, **self.primary.buffer_bytes()}

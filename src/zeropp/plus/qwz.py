@@ -143,6 +143,8 @@ class QuantizedGather:
     """Gather a unit over ``group`` (default: the world, by its route: Note [two-hop gather] in
     ``comm/gather.py``) as quantized rows; dequantize on arrival."""
 
+    keeps_copies = False
+
     def __init__(self, comm: Comm, bits: int, block_size: int, group: Group | None = None,
                  defer_checks: Optional[bool] = None) -> None:
         self.comm = comm

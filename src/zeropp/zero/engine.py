@@ -240,6 +240,8 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         self._global_grad_norm: Optional[float] = None
         self._skipped = False
         self._update: Optional[BackgroundUpdate] = None
+        if self.plan.shards_weights and strategies.forward_gather.keeps_copies:
+            self._cut_copies()
         self.ledger.reset()  # set-up traffic is not a training step
         self.timer.reset()
         breakdown = config is not None and getattr(config, "wall_clock_breakdown", False)
@@ -247,6 +249,21 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         gathered.track(self)  # so zeropp.zero.GatheredParameters finds the engine of a parameter
 
     # ---- construction ------------------------------------------------------------------------------------
+    def _cut_copies(self) -> None:
+        """Note [hpZ slices at initialize] in ``plus/hpz.py``: gather each unit once through the forward strategy
+        and release it, one unit at a time, so that the copies its release keeps exist from the start."""
+        gather = self.strategies.forward_gather
+        for unit in self.units:
+            if unit.state is UnitState.SHARDED and self.residency.shard_in(unit):
+                pending = gather.start(unit, Phase.OTHER)
+                rows, layout = pending.finish()
+                self.residency.shard_done(unit)
+                unit.materialize(rows, layout)
+                pending.recycle()
+                gather.on_release(unit)
+                unit.release()
+        gather.settle()
+
     def _cast_buffers(self, dtype: torch.dtype) -> None:
         for buf_owner in self.module.modules():
             for name, buf in buf_owner.named_buffers(recurse=False):
