@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import zeropp
-from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 from support.world import run_world
 
 STEPS, BATCH, DIM = 3, 4, 24
@@ -50,14 +49,19 @@ def worker(rank: int, world: int) -> dict:
             losses.append(loss.item())
             seconds.append(engine.time_report()["step_s"])
         timer = engine.tput_timer
+        total_before = timer.total_elapsed_time
         out[(stage, bf16)] = {"losses": losses, "report": engine.memory_report(),
                               "state": engine.consolidated_state_dict(), "seconds": seconds,
                               "tput": (timer.avg_samples_per_sec(), timer.global_step_count, timer.batch_size,
                                        timer.total_elapsed_time, timer.step_elapsed_time)}
-        try:
-            timer.start()
-        except DeepSpeedAPIError as err:
-            out[(stage, bf16)]["start"] = str(err)
+        # a script that drives it (DeepSpeed's stopwatch): from the engine's counts on, one global step of two
+        # micro-steps, timed since the engine is past the first start_step steps
+        timer.start()
+        timer.stop()
+        timer.start()
+        timer.stop(global_step=True)
+        out[(stage, bf16)]["driven"] = (timer.micro_step_count, timer.global_step_count, timer.step_elapsed_time,
+                                        timer.total_elapsed_time - total_before, timer.end_time > timer.start_time)
         engine.close()
     return out
 
@@ -91,4 +95,6 @@ def test_tput_timer_reads_the_engines_step_times(result: dict) -> None:
     counted = run["seconds"][2:]  # DeepSpeed's ThroughputTimer leaves out the first two steps
     assert (steps, batch, last) == (STEPS, BATCH, run["seconds"][-1])
     assert total == sum(counted) > 0 and avg == BATCH * len(counted) / sum(counted)
-    assert "times every step itself" in run["start"]
+    micro, steps_after, step_time, added, timed = run["driven"]
+    assert (micro, steps_after) == (STEPS + 2, STEPS + 1)  # the engine's counts, then the script's calls
+    assert step_time == 0.0 and added > 0 and timed  # both micro-steps timed, the step's time reset at its end
