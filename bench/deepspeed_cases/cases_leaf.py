@@ -166,6 +166,18 @@ def by_suffix_missing():
     assert matched == [] and missing == ["missing"]
 
 
+@case("test_zero_leaf_module_default_config", 1)
+def default_config():
+    ds()
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.leaf_module_config import (DEFAULT_LEAF_MODULE_CLASSES, DEFAULT_LEAF_MODULE_NAMES,
+                                                           DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+    c = DeepSpeedZeroConfig()
+    assert c.leaf_module.classes == DEFAULT_LEAF_MODULE_CLASSES
+    assert c.leaf_module.names == DEFAULT_LEAF_MODULE_NAMES
+    assert c.leaf_module.name_suffixes == DEFAULT_LEAF_MODULE_NAME_SUFFIXES
+
+
 @case("test_zero_leaf_module_custom_config", 1)
 def custom_config():
     ds()
