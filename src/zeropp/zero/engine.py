@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
-import math
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol
 
@@ -50,7 +47,8 @@ from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_
 from zeropp.zero.deepspeed_surface import DeepSpeedSurface
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
-from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder, CollectiveOrderError
+from zeropp.zero.optimizer_step import OptimizerStep
+from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder
 from zeropp.zero import idle_watch
 from zeropp.zero.param_use import ParamUse, unwatched
 from zeropp.zero.persistence import KeptUnits, persistent_units
@@ -62,8 +60,6 @@ from zeropp.zero.timing import StepTimer, format_time_report
 # every later training step could not write into ("Inplace update to inference tensor outside
 # InferenceMode"). Gathers and releases therefore make their tensors with inference mode off.
 _OUTSIDE_INFERENCE_MODE = torch.inference_mode(False)
-
-log = logging.getLogger("zeropp")
 
 
 @dataclass(frozen=True)
@@ -139,7 +135,7 @@ class Pass(enum.Enum):
 _LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
 
 
-class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
+class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
     """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.initialize`.
 
     Use it like DeepSpeed's engine: ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``;
@@ -710,155 +706,6 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
         if self._print_every and self.global_steps % self._print_every == 0 and self.topo.rank == 0:
             print(f"[zeropp] {format_time_report(self.timer.report(), self.global_steps)}", flush=True)
 
-    def _optimizer_step(self, background: bool = False) -> None:
-        """Unscale, take the global norm, skip or clip, then update the masters.
-
-        ``background`` (delayed parameter update): the update runs on a thread and is published by the
-        next :meth:`join_update`; the norm's collective stays on this thread, so every rank issues its
-        collectives in the same order whatever the thread's timing.
-
-        Two passes over the gradient rows (the norm, then the update), each through the residency: with
-        NVMe, a unit's row, master and optimizer state are in memory only while that unit is processed.
-        """
-        unscale = self.grad_unscale
-        cache: dict[Unit, torch.Tensor] = {}
-        with self.timer.span("offload_io"):
-            self.link.settle()  # the host rows are written below: no upload may still read them
-
-        def fp32_grad(u: Unit) -> torch.Tensor:
-            # .float() of an fp32 row is the row itself, which is zeroed below while a background update may
-            # still read its gradients: copy then. Rows that leave memory are recomputed, identically.
-            g = cache.get(u)
-            if g is None:
-                g = u.grad_row().to(torch.float32, copy=background)
-                if unscale != 1.0:
-                    g.mul_(unscale)
-                if not self.residency.swaps_states:
-                    cache[u] = g
-            return g
-
-        norm = self._global_norm(fp32_grad)
-        self._global_grad_norm = norm
-        self._skipped = not math.isfinite(norm)
-        if self.loss_scaler is not None:
-            self._note_overflow(self._skipped)
-        elif self._skipped:
-            self._report_non_finite()
-        if not self._skipped:
-            clip = self.policy.gradient_clipping
-            coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
-            if background:
-                self._set_master_grads(self._stepped, fp32_grad, coef)
-                self._update = BackgroundUpdate(self._apply_update)
-            else:
-                for group in self.residency.optimizer_pass(self._stepped):
-                    self._set_master_grads(group, fp32_grad, coef)
-                    fused = self._step_group(group)
-                    for u in group:
-                        for view in u.master_views():
-                            view.grad = None
-                        u.refresh_shard_from_master(recast=u not in fused)
-                        self._copy_back(u)
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-                if not self.plan.shards_weights:
-                    self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
-        # the optimizer held its own fp32 copies; stages 0-2 hold no rows between steps
-        self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)
-
-    def _global_norm(self, fp32_grad: Callable[[Unit], torch.Tensor]) -> float:
-        """The gradients' global L2 norm; the same all-reduce checks that every rank issued the same
-        collectives this step (Note [collective order]) before any gradient is used."""
-        device = self.units[0].device if self.units else None
-        sq = torch.zeros(1, dtype=torch.float64, device=device)
-        for group in self.residency.grad_pass(self._stepped):  # squared norms summed in fp64, no fp64 copies
-            for u in group:
-                sq += torch.linalg.vector_norm(fp32_grad(u), dtype=torch.float64).square()
-        if self.shard_world == 1:  # stage 0 holds whole gradients, identical on every rank, and reduced them
-            self.order.reset()     # at the boundary in a fixed order
-            return math.sqrt(sq.item())
-        both = torch.cat([sq, torch.tensor(self.order.payload(), dtype=torch.float64, device=device)])
-        self.comm.all_reduce(both, self.topo.world, Phase.OTHER)
-        try:
-            self.order.check(both[1:].tolist(), self.topo.world_size)
-        except CollectiveOrderError:
-            self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)  # mixed: never used
-            raise
-        return math.sqrt(both[0].item())
-
-    def _step_group(self, units: list[Unit]) -> set[Unit]:
-        """``optimizer.step()``; returns the units whose 16-bit shard it also wrote. A host optimizer with
-        ``step_and_copy`` (CpuAdam) writes the recast of a shard that sits beside its master in the same pass
-        over memory (ZeRO-Offload's copy-back), instead of a second pass reading every master again."""
-        copy = getattr(self.optimizer, "step_and_copy", None)
-        out16: dict[torch.Tensor, torch.Tensor] = {}
-        fused: set[Unit] = set()
-        if copy is not None:
-            for u in units:
-                views = u.host_shard_views()
-                # a view the optimizer does not step would keep whatever the shard held: recast those units
-                if views is not None and all(id(v) in self._optimized for v in u.master_views()):
-                    out16.update(zip(u.master_views(), views))
-                    fused.add(u)
-        if out16:
-            copy(out16)
-        else:
-            self.optimizer.step()
-        return fused
-
-    @staticmethod
-    def _set_master_grads(units: list[Unit], fp32_grad: Callable[[Unit], torch.Tensor],
-                          coef: Optional[float]) -> None:
-        """Point each master view's ``.grad`` at its slice of the unit's fp32 gradient (clipped by ``coef``)."""
-        for u in units:
-            g = fp32_grad(u)
-            if coef is not None:
-                g.mul_(coef)
-            for view, o, c in zip(u.master_views(), u.row.offsets, u.row.chunks):
-                view.grad = g[o : o + c]
-
-    def _note_overflow(self, overflow: bool) -> None:
-        """fp16: an overflow is the normal signal to lower the loss scale, not an error."""
-        assert self.loss_scaler is not None
-        before = self.loss_scaler.scale
-        self.loss_scaler.update(overflow)
-        if overflow and self.topo.rank == 0:
-            log.warning("fp16 gradient overflow: step %d skipped, loss scale %g -> %g",
-                        self.global_steps, before, self.loss_scaler.scale)
-
-    @property
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 when not training in fp16)."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    @property
-    def grad_unscale(self) -> float:
-        """What turns a reduced gradient row into the step's gradient: the fp16 loss scale out, and the
-        reduction's pre-division (``gradient_predivide_factor``) and mean (``gradient_allreduce_op``) settled:
-        rows hold ``sum / (W * predivide)``, the step wants the mean or, with ``sum``, the sum."""
-        post = self.policy.grad_predivide * (self.topo.world_size if self.policy.grad_sum else 1)
-        return post / self.loss_scale
-
-    def _apply_update(self) -> None:
-        """The optimizer and scheduler step on the fp32 masters (no collective: may run on a thread)."""
-        self.optimizer.step()
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-
-    def _publish_masters(self, phase: Phase, units: list[Unit]) -> None:
-        """Make the masters of ``units`` the weights: recast the 16-bit shards, bump versions (stale hpZ
-        slices), and in stages 0-2 rebuild the resident full weights. Collective for stages 0-2."""
-        self.link.settle()  # the staged rows are rewritten below
-        for u in units:
-            with self.residency.resident([u]):
-                u.refresh_shard_from_master()
-                self._copy_back(u)
-        if not self.plan.shards_weights:
-            self._gather_resident(phase)
-
     def restart_counts(self) -> None:
         """Count micro-steps and optimizer steps from 0 again, keeping the weights, the optimizer's state and
         the schedule: a new run over the trained model (a Trainer's second ``train()``), whose checkpoints are
@@ -869,37 +716,6 @@ class ZeroEngine(EngineReports, DeepSpeedSurface, nn.Module):
                                "micro-steps taken); call it after the window's step()")
         self.join_update()  # a delayed update lands before the counters stop saying one is pending
         self.micro_steps = self.global_steps = 0
-
-    def join_update(self) -> None:
-        """Wait for a delayed update still running and publish it; a no-op when none is pending.
-
-        Collective (every rank calls it at the same points): weight loads, state-dict and checkpoint calls
-        and the next optimizer step call it first.
-        """
-        self.link.settle()  # callers write the masters next: no upload may still read them
-        if self._update is None:
-            return
-        update, self._update = self._update, None
-        update.wait()
-        self._publish_masters(Phase.FORWARD_GATHER, self._stepped)  # a step leaves frozen units as they were
-        self.link.settle()
-
-    def _report_non_finite(self) -> None:
-        bad = []
-        for u in self._stepped:
-            with self.residency.resident([u], dirty=False):
-                bad += [s.name for s, g in zip(u.slots, u.grad_views()) if not torch.isfinite(g).all()]
-        where = f"non-finite gradient shard on rank {self.topo.rank} in: {', '.join(bad)}" if bad else (
-            "non-finite gradient on another rank")
-        warnings.warn(f"step {self.global_steps} skipped: global gradient norm is not finite ({where})",
-                      RuntimeWarning, stacklevel=3)
-
-    def was_step_skipped(self) -> bool:
-        return self._skipped
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        """The global gradient norm before clipping, as computed at the last optimizer step."""
-        return self._global_grad_norm
 
     # ---- weights in and out ------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
