@@ -144,6 +144,17 @@ def refusals(rank: int) -> dict:
     engine, *_ = zeropp.initialize(model=model, config=config(), param_init_fn=readme_init)
     out["kept_buffer"] = torch.equal(engine.module.rot.inv_freq, WithRotary(kept=True).rot.inv_freq)
     engine.close()
+    # what a Trainer does with the model it is given (.to(args.device)): partitioned parameters stay where they
+    # were built; to another device they are refused by name
+    from zeropp.partition.construction import move_model
+    with zeropp.zero.Init():
+        model = HandNet()
+    out["moved_here"] = move_model(model, "cpu") is model and model.blocks[0].mask.device.type == "cpu"
+    try:
+        move_model(model, "meta")
+        out["moved_away"] = None
+    except ValueError as err:
+        out["moved_away"] = str(err)
     return out
 
 
@@ -398,6 +409,7 @@ def test_meta_construction_refuses_what_no_init_wrote_by_name():
         assert "rot.inv_freq" in res["lost_buffer"] and "'dim'" in res["lost_buffer"]
         assert "'scale'" in res["skipped_param"] and "param_init_fn" in res["skipped_param"]
         assert res["kept_buffer"]
+        assert res["moved_here"] and "'Embedding.weight'" in res["moved_away"] and "meta" in res["moved_away"]
 
 
 # ---- one model at initialize ------------------------------------------------------------------------------------
