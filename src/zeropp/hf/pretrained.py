@@ -50,8 +50,7 @@ def from_pretrained(name_or_path: Union[str, "os.PathLike[str]"], model_class: A
     ``architectures`` entry of the config). ``dtype``: cast floating-point weights to it (default: as stored).
     ``config``: a ``PretrainedConfig`` to use instead of the checkpoint's; ``config_kwargs`` override its fields.
     ``device``: where the chunks and buffers live, and so where ``initialize`` trains the model (default: this
-    rank's CUDA device when there is one, else the CPU, as under ``zero.Init``; ``"cpu"`` keeps them in host
-    memory, for ``offload_param``).
+    rank's CUDA device when there is one, else the CPU, as under ``zero.Init``).
     """
     ensure_process_group()
     where = torch.device(device) if device is not None else local_device()

@@ -134,7 +134,7 @@ class ZeroppTrainer(transformers.Trainer):
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """The Trainer puts the model on ``args.device`` before training; a model partitioned at construction
         (``zero.Init``, ``from_pretrained``) is already there and has nothing whole to move, so only what is not
-        partitioned moves (Note: ``move_model`` in ``partition/construction.py``)."""
+        partitioned moves (``partition.construction.move_model``)."""
         move_model(model, device)
 
     @staticmethod

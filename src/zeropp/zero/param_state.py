@@ -134,8 +134,8 @@ def hpz_group(loc: Located) -> Any:
 
 def secondary_part(loc: Located) -> Optional[torch.Tensor]:
     """This rank's slice of the parameter in hpZ's secondary copy (a copy, padding included), or None: no hpZ, or
-    no current slice (none is cut before the unit's first forward, and the weights changed since the last was
-    cut: Note [secondary staleness] in ``plus/hpz.py``)."""
+    no current slice (the weights changed since the last was cut: Note [secondary staleness] in ``plus/hpz.py``;
+    one is cut at initialize and at each forward's release)."""
     hpz = _hpz(loc.engine)
     if hpz is None or not hpz.store.is_current(loc.unit):
         return None

@@ -12,7 +12,7 @@ subclass with no state of its own, whose properties read where zeropp keeps the 
 * ``ds_id``: a number unique among the parameters of its engine (or of those partitioned at construction);
 * ``ds_persist``: whether its unit persists (stays gathered between passes: Note [persistent units]);
 * ``ds_secondary_tensor``: this rank's slice of it in hpZ's secondary copy (a copy), or None without hpZ or while
-  no current slice exists (before the unit's first forward, and from an optimizer step to the next forward);
+  no current slice exists (from an optimizer step to the next forward; one is cut at initialize);
 * ``ds_zero_param_process_group``: the process group of that secondary partition, or None without hpZ.
 """
 from __future__ import annotations
