@@ -251,11 +251,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         gather = self.strategies.forward_gather
         for unit in self.units:
             if unit.state is UnitState.SHARDED and self.residency.shard_in(unit):
-                pending = gather.start(unit, Phase.OTHER)
-                rows, layout = pending.finish()
-                self.residency.shard_done(unit)
-                unit.materialize(rows, layout)
-                pending.recycle()
+                self._land(unit, gather.start(unit, Phase.OTHER))
                 gather.on_release(unit)
                 unit.release()
         gather.settle()
@@ -485,12 +481,16 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         pending = self._inflight.pop(unit, None) or self._start_gather(unit, which)
         assert pending is not None
         self._prefetch(which, len(order) - 1)
+        self._land(unit, pending)
+        self.gathered_weights.gathered(unit)
+        self.kept.gathered(unit)
+
+    def _land(self, unit: Unit, pending: PendingGather) -> None:
+        """Wait for ``unit``'s gather and give the unit its full weights."""
         rows, layout = pending.finish()
         self.residency.shard_done(unit)
         unit.materialize(rows, layout)
         pending.recycle()  # the rows were copied out: the strategy reuses the buffer (Note [buffer pool])
-        self.gathered_weights.gathered(unit)
-        self.kept.gathered(unit)
 
     def _prefetch(self, which: Pass, position: int) -> None:
         """Start gathering the unit that followed this one last time, so it overlaps this unit's compute.

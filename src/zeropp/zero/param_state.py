@@ -118,7 +118,7 @@ def set_master(loc: Located, value: torch.Tensor, local: bool = False) -> None:
     engine.masters_changed()
 
 
-# ---- the gradient ---------------------------------------------------------------------------------------------
+# ---- hpZ's secondary copy -----------------------------------------------------------------------------------------
 def _hpz(engine: "ZeroEngine") -> Optional[HpzGather]:
     gather = engine.strategies.forward_gather
     gather = getattr(gather, "trainable", gather)  # past FrozenApart
@@ -144,6 +144,7 @@ def secondary_part(loc: Located) -> Optional[torch.Tensor]:
     return hpz.store.rows[loc.unit.index][off : off + size].clone()
 
 
+# ---- the gradient ---------------------------------------------------------------------------------------------
 def full_grad(loc: Located) -> Optional[torch.Tensor]:
     """The parameter's averaged, unscaled gradient as the next step will use it; None before any backward."""
     engine, slot = loc.engine, loc.slot

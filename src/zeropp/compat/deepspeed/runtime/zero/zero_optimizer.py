@@ -42,11 +42,17 @@ class ZeroOptimizerView:
     def defaults(self) -> dict:
         return self._engine.optimizer.defaults
 
+    def _located(self) -> list[tuple[ps.Located, torch.Tensor]]:
+        """(where the parameter lives, its fp32 master chunk) for every master the optimizer steps, in the
+        optimizer's order."""
+        engine = self._engine
+        of_master = {id(view): ps.Located(engine, u, i) for u in engine.units
+                     for i, view in enumerate(u.master_views())}
+        return [(of_master[id(m)], m) for g in self.param_groups for m in g["params"] if id(m) in of_master]
+
     def _pairs(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(parameter, its fp32 master chunk) for every master the optimizer steps, in the optimizer's order."""
-        of_master = {id(view): slot.param for u in self._engine.units
-                     for slot, view in zip(u.slots, u.master_views())}
-        return [(of_master[id(m)], m) for g in self.param_groups for m in g["params"] if id(m) in of_master]
+        return [(loc.slot.param, m) for loc, m in self._located()]
 
     @property
     def fp16_groups(self) -> list[list[torch.nn.Parameter]]:
@@ -83,12 +89,7 @@ class ZeroOptimizerView:
     def _get_norm_groups(self) -> list[torch.Tensor]:
         """Each sub-group's gradient norm as the next step sees it (here one per parameter, the sub-groups of
         ``fp16_groups``); collective, so every rank calls. Their L2 norm is the global gradient norm."""
-        locs = []
-        for p, _ in self._pairs():
-            loc = ps.locate(p)
-            if loc is not None:
-                locs.append(loc)
-        return ps.grad_norms(locs)
+        return ps.grad_norms([loc for loc, _ in self._located()])
 
     def state_dict(self) -> dict:
         """This rank's part of the optimizer state (the torch optimizer's over its master chunks)."""
