@@ -22,7 +22,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXT_DIR = os.path.join(tempfile.gettempdir(), f"ds_cases_ext_{os.getuid()}")
 MODULES = ["cases_zero", "cases_zero_train", "cases_context", "cases_leaf", "cases_fragment", "cases_misc",
-           "cases_grad_clip", "cases_zeropp"]
+           "cases_grad_clip", "cases_zeropp", "cases_partitioning"]
 
 
 def free_port():

@@ -254,7 +254,7 @@ def initialize(
         )
         loader = torch.utils.data.DataLoader(training_data, batch_size=batch.micro_batch_per_rank, sampler=sampler,
                                              collate_fn=collate_fn)
-    return InitResult(engine, engine.optimizer, loader, engine.lr_scheduler)
+    return InitResult(engine, engine.master_optimizer, loader, engine.lr_scheduler)
 
 
 def _mark_leaves(model: nn.Module, zero: ZeroConfig) -> None:

@@ -134,8 +134,9 @@ class Fp16Config(Section):
 
     enabled: DSBool = F(False, doc="Train in fp16: fp16 weights, activations and communication, fp32 masters, "
                       "loss scaling.")
-    auto_cast: DSBool = F(False, doc="Cast inputs to fp16; zeropp always casts floating-point inputs to the "
-                        "compute dtype.", status=STATUS_TUNING)
+    auto_cast: DSBool = F(False, doc="Cast floating-point inputs to fp16. The DeepSpeed alias's engine casts them "
+                        "only when this is true, as DeepSpeed does; zeropp's own engine always casts them to the "
+                        "compute dtype.", status=STATUS_IMPLEMENTED)
     loss_scale: Number = F(0.0, ge=0, doc="Static loss scale; 0 means dynamic.")
     initial_scale_power: DSInt = F(16, ge=0, doc="The dynamic scale starts at 2**this.")
     loss_scale_window: DSInt = F(1000, ge=1, doc="Steps without overflow before the scale doubles.")

@@ -18,7 +18,7 @@ MISSING_MODULE_API = frozenset({
     "init_inference", "PipelineModule", "pipe", "ops", "moe", "profiling",
     "accelerator", "get_accelerator", "compression", "inference", "module_inject",
     "monitor", "elasticity", "autotuning", "sequence", "linear", "tp_model_init", "add_tuning_arguments",
-    "DeepSpeedEngine", "DeepSpeedConfig", "InferenceEngine", "is_compile_supported",
+    "DeepSpeedConfig", "InferenceEngine", "is_compile_supported",
 })
 
 

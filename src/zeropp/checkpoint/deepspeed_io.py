@@ -89,7 +89,7 @@ def _to_loaded(engine: ZeroEngine, params: list[_Param], ds: fmt.DsState, what: 
     names = _match(params, ds)
     held = {**ds.params, **ds.frozen}
     masters = {p.name: _chunk(held[names[p.name]], p, rank) for p in params}
-    optimizer: dict = {"state": {}, "param_groups": engine.optimizer.state_dict()["param_groups"]}
+    optimizer: dict = {"state": {}, "param_groups": engine.master_optimizer.state_dict()["param_groups"]}
     if what.optimizer and not what.module_only:
         optimizer = _optimizer(engine, params, names, ds, rank)
     gas = engine.policy.gradient_accumulation_steps
@@ -105,7 +105,7 @@ def _to_loaded(engine: ZeroEngine, params: list[_Param], ds: fmt.DsState, what: 
 
 def _optimizer(engine: ZeroEngine, params: list[_Param], names: dict[str, str], ds: fmt.DsState,
                rank: int) -> dict:
-    kind = type(engine.optimizer).__name__
+    kind = type(engine.master_optimizer).__name__
     if kind not in _ADAM:
         raise CheckpointError(f"{ds.tag_dir}: the DeepSpeed checkpoint holds Adam's state (exp_avg, exp_avg_sq); the "
                               f"engine's optimizer is {kind}: configure Adam or AdamW to import it")
@@ -119,7 +119,7 @@ def _optimizer(engine: ZeroEngine, params: list[_Param], names: dict[str, str], 
         state[p.optimizer_index] = {"step": torch.tensor(ds.steps[key], dtype=torch.float32),
                                     "exp_avg": _chunk(m["exp_avg"], p, rank),
                                     "exp_avg_sq": _chunk(m["exp_avg_sq"], p, rank)}
-    groups = engine.optimizer.state_dict()["param_groups"]
+    groups = engine.master_optimizer.state_dict()["param_groups"]
     by_index = {p.optimizer_index: names[p.name] for p in params if p.optimizer_index is not None}
     for i, group in enumerate(groups):
         theirs = {group_of[by_index[j]] for j in group["params"] if by_index[j] in group_of}

@@ -77,7 +77,7 @@ class _Param:
 def _params(engine: ZeroEngine, writing: bool = True) -> list[_Param]:
     """The engine's parameters; ``writing=False`` (a save) reads a frozen int8 unit's values as copies, where
     a load gets the views it writes and ``masters_changed`` re-quantizes (``plus/frozen.py``)."""
-    opt_index = {id(t): i for i, t in enumerate(p for g in engine.optimizer.param_groups for p in g["params"])}
+    opt_index = {id(t): i for i, t in enumerate(p for g in engine.master_optimizer.param_groups for p in g["params"])}
     aliases: dict[int, list[str]] = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         aliases.setdefault(id(t), []).append(key)
@@ -159,7 +159,7 @@ def _shard_payload(engine: ZeroEngine, params: list[_Param], client_state: Any, 
         "world_size": engine.topo.world_size,
         "params": {p.name: p.master for p in params},  # views: torch.save writes each unit's row once
         "grads": {p.name: p.grad for p in params} if mid_accumulation else None,
-        "optimizer": engine.optimizer.state_dict(),
+        "optimizer": engine.master_optimizer.state_dict(),
         "scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
         "counters": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps},
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
@@ -206,7 +206,7 @@ def _manifest(engine: ZeroEngine, tag: str, params: list[_Param], shards: list[W
             "gradient_clipping": policy.gradient_clipping,
             "strategies": {k: type(getattr(engine.strategies, k)).__name__
                            for k in ("forward_gather", "backward_gather", "reduce")},
-            "optimizer": type(engine.optimizer).__name__,
+            "optimizer": type(engine.master_optimizer).__name__,
             "scheduler": type(sched).__name__ if sched is not None else None,
             "micro_steps": engine.micro_steps,
             "global_steps": engine.global_steps,
@@ -379,7 +379,7 @@ def _apply(engine: ZeroEngine, params: list[_Param], loaded: _Loaded, what: "_Wh
     if loaded.reduce_state is not None:
         engine.strategies.reduce.load_state_dict(loaded.reduce_state)
     if what.optimizer:
-        engine.optimizer.load_state_dict(loaded.optimizer)
+        engine.master_optimizer.load_state_dict(loaded.optimizer)
     if what.scheduler and loaded.scheduler is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(loaded.scheduler)
     engine.micro_steps = int(loaded.counters["micro_steps"])
@@ -425,7 +425,7 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
         manifest = read_manifest(tag_dir)
         if rank == 0:  # the listing and every file's size, once; each rank checks what it opens itself
             check_files(manifest)
-        check_model(manifest, params, type(engine.optimizer).__name__ if with_optimizer else None)
+        check_model(manifest, params, type(engine.master_optimizer).__name__ if with_optimizer else None)
         if manifest.world_size == engine.topo.world_size and manifest.sharded == _sharded(engine):
             loaded, source = _read_same_world(manifest, rank, params), manifest.shard_path(rank)
         else:  # buffers, param groups and scalars come from rank 0's file (Note [stage 0 checkpoints])
@@ -437,7 +437,7 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
         else:
             loaded.reduce_state = None
         if with_optimizer:
-            check_param_groups(loaded.optimizer["param_groups"], engine.optimizer.param_groups, source)
+            check_param_groups(loaded.optimizer["param_groups"], engine.master_optimizer.param_groups, source)
         return loaded
 
     got = agreed_load(engine, load_dir, tag, read)

@@ -64,19 +64,19 @@ class EngineOptimizer:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer the engine steps."""
-        return self.engine.optimizer
+        return self.engine.master_optimizer
 
     @property
     def param_groups(self) -> list[dict]:
-        return self.engine.optimizer.param_groups
+        return self.engine.master_optimizer.param_groups
 
     @property
     def state(self) -> Any:
-        return self.engine.optimizer.state
+        return self.engine.master_optimizer.state
 
     @property
     def defaults(self) -> dict:
-        return self.engine.optimizer.defaults
+        return self.engine.master_optimizer.defaults
 
     def step(self, closure: Any = None) -> None:
         """No-op: ``ZeroppTrainer.training_step`` ran the engine's step at the accumulation boundary."""
@@ -94,7 +94,7 @@ class EngineOptimizer:
                            "ranks; resume with trainer.train(resume_from_checkpoint=...)")
 
     def __repr__(self) -> str:
-        return f"EngineOptimizer({self.engine.optimizer!r})"
+        return f"EngineOptimizer({self.engine.master_optimizer!r})"
 
 
 class EngineScheduler:

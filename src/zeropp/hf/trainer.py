@@ -175,7 +175,7 @@ class ZeroppTrainer(transformers.Trainer):
         itself with each evaluation's metric and the engine never steps. Evaluation gives every rank the same
         metric, so every rank changes its shards' learning rate alike."""
         if self._metric_schedule:
-            self.lr_scheduler = self._trainers_schedule(max_steps, engine.optimizer)
+            self.lr_scheduler = self._trainers_schedule(max_steps, engine.master_optimizer)
         else:
             self.lr_scheduler = EngineScheduler(engine)
 
@@ -263,7 +263,7 @@ class ZeroppTrainer(transformers.Trainer):
         engine = self._require_engine("train")
         if self._schedule_built_here:
             if not self._metric_schedule:  # the engine steps this one
-                engine.lr_scheduler = self._trainers_schedule(max_steps, engine.optimizer)
+                engine.lr_scheduler = self._trainers_schedule(max_steps, engine.master_optimizer)
             self._schedule(engine, max_steps)
         engine.restart_counts()
 

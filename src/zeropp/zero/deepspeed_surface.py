@@ -166,7 +166,7 @@ class DeepSpeedSurface:
 
     def get_lr(self) -> list[float]:
         """The learning rate of each optimizer parameter group."""
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self.master_optimizer.param_groups]
 
     def zero_optimization_stage(self) -> int:
         return self.policy.stage
@@ -196,6 +196,13 @@ class DeepSpeedSurface:
         """DeepSpeed's: free the weights still gathered between steps (persistent units); they are gathered again
         at their next use."""
         self.free_gathered()  # type: ignore[attr-defined]
+
+    def allreduce_gradients(self, bucket_size: Any = None) -> None:
+        """DeepSpeed's: finish reducing the last backward's gradients. zeropp reduces them inside ``backward`` at
+        stages 2-3 and at the accumulation boundary's ``step()`` at stages 0-1 (where DeepSpeed's engine reduces
+        them too), so this only closes a backward still open; ``bucket_size`` is DeepSpeed's and unused."""
+        if self._backward_open:  # type: ignore[attr-defined]
+            self._finish_backward()  # type: ignore[attr-defined]
 
     def destroy(self) -> None:
         """DeepSpeed's name for releasing the engine's resources (``close``)."""

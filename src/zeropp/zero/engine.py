@@ -135,6 +135,10 @@ class Pass(enum.Enum):
 _LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
 
 
+class UnusedParametersError(RuntimeError):
+    """Stages 1-2 with ``ignore_unused_parameters: false``: a trainable parameter got no gradient in a backward."""
+
+
 class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
     """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.initialize`.
 
@@ -146,6 +150,9 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
     ``initialize`` returns its subclass ``CheckpointingEngine``, which adds ``save_checkpoint`` & co.
     (this module must never import ``zeropp.checkpoint``: tests/unit/test_layers.py).
     """
+
+    #: floating-point inputs of ``forward`` are cast to the compute dtype (DeepSpeed's engine: only with fp16's auto_cast)
+    casts_inputs = True
 
     def __init__(
         self,
@@ -209,11 +216,11 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
             for slot, view in zip(u.slots, u.master_views())
             if slot.param.requires_grad and (trainable is None or id(slot.param) in trainable)
         ]
-        self.optimizer = make_optimizer(masters)
+        self.master_optimizer = make_optimizer(masters)
         # master views the optimizer updates (frozen or left-out parameters are not among them)
-        self._optimized = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        self.residency.attach(self.optimizer, self._optimized)
-        self.lr_scheduler = make_scheduler(self.optimizer)
+        self._optimized = {id(p) for group in self.master_optimizer.param_groups for p in group["params"]}
+        self.residency.attach(self.master_optimizer, self._optimized)
+        self.lr_scheduler = make_scheduler(self.master_optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
         # ZeRO-R's residual memory (zero/memory.py): saved activations, gathered weights and the prefetch bound
         weights = weight_storages(self.module)  # once: a weight keeps its storage object while it is resized
@@ -231,6 +238,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         self._quiet = False  # this pass runs compiled code without watches (Note [compiled regions])
         self.order = CollectiveOrder()  # Note [collective order]
         self._backward_open = False
+        self._restart_pending = False  # restart_accumulation(): the next backward drops the gradients first
         self.micro_steps = 0
         self.global_steps = 0
         self._global_grad_norm: Optional[float] = None
@@ -552,7 +560,8 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
             t.to(self.policy.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
         )
         with self.timer.span("forward"):  # the engine's own work is in a span: untracked is the caller's
-            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+            if self.casts_inputs:
+                args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
             self._order[Pass.FORWARD] = []
             run = self.module if self._compiled_call is None else self._compiled_call
             compiled = self.is_compiled
@@ -594,6 +603,8 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
             # the fp16 loss scale, the accumulation's mean and the reduction's pre-division, in one product
             gas = self.policy.gradient_accumulation_steps if scale_wrt_gas else 1
             factor = self.loss_scale / (gas * self.policy.grad_predivide)
+            if self._restart_pending:
+                self._drop_gradients()
             self._backward_open = True
             self._grads_missing = {}
             self._grads_seen = set()
@@ -634,7 +645,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         self.comm.all_reduce(flags, self.topo.world, Phase.OTHER)
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if ranks:
-            raise RuntimeError(f"parameters {unused[:10] or '(on other ranks)'} got no gradient in this backward "
+            raise UnusedParametersError(f"parameters {unused[:10] or '(on other ranks)'} got no gradient in this backward "
                                f"(rank(s) {ranks}): they were not used to compute the loss. Set "
                                "zero_optimization.ignore_unused_parameters to true (the default) to train on "
                                "without them, or remove them from the model or from model_parameters")
@@ -689,14 +700,8 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
             # of the accumulation at every boundary, as checkpoints expect
             gas = self.policy.gradient_accumulation_steps
             self.micro_steps = -(-self.micro_steps // gas) * gas
-            if not self.plan.reduces_as_ready:
-                self._reduce_whole_gradients()
             after = self.policy.delayed_update_after
-            delayed = after is not None and self.global_steps >= after
-            if delayed:
-                self.join_update()  # the previous step's update becomes the next forward's weights
-            self._optimizer_step(background=delayed)
-            self._window_seen = set()
+            self._step_window(delayed=after is not None and self.global_steps >= after)
         self.global_steps += 1
         self.strategies.reduce.end_step(self.loss_scale / scale_before)
         self.ledger.close_step()

@@ -371,7 +371,7 @@ def model_state_bytes(engine: Any) -> dict[str, int]:
         "bucket_grads": engine.buckets.held_bytes(),
         "frozen_quantized": sum(size(u.quantized_state()) for u in engine.units),
     }
-    for state in engine.optimizer.state.values():
+    for state in engine.master_optimizer.state.values():
         for t in state.values():
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 out["optimizer_state"] += size(t)

@@ -16,6 +16,7 @@ from zeropp.comm.ledger import Phase
 from zeropp.partition.unit import Unit
 from zeropp.zero.background import BackgroundUpdate
 from zeropp.zero.order_check import CollectiveOrderError
+from zeropp.zero.param_use import unwatched
 
 log = logging.getLogger("zeropp")
 
@@ -26,7 +27,7 @@ class OptimizerStep:
     units: list[Unit]
     _stepped: list[Unit]
     _optimized: set[int]
-    optimizer: torch.optim.Optimizer
+    master_optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     policy: Any
     plan: Any
@@ -43,11 +44,62 @@ class OptimizerStep:
     _skipped: bool
     _update: Optional[BackgroundUpdate]
 
+    _backward_open: bool
+    _restart_pending: bool
+    _window_seen: set
+    strategies: Any
+
     _copy_back: Callable[[Unit], None]
     _gather_resident: Callable[[Phase], None]
+    _finish_backward: Callable[[], None]
+    _reduce_whole_gradients: Callable[[], None]
 
-    def _optimizer_step(self, background: bool = False) -> None:
-        """Unscale, take the global norm, skip or clip, then update the masters.
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer over this rank's fp32 master chunks (``master_optimizer``)."""
+        return self.master_optimizer
+
+    def _step_window(self, delayed: bool, schedule: bool = True) -> None:
+        """The optimizer step that closes an accumulation window (stages 0-1 reduce their whole gradients
+        first); ``schedule=False`` leaves the learning-rate schedule where it is."""
+        if not self.plan.reduces_as_ready:
+            self._reduce_whole_gradients()
+        if delayed:
+            self.join_update()  # the previous step's update becomes the next forward's weights
+        self._optimizer_step(background=delayed, schedule=schedule)
+        self._window_seen = set()
+        self._restart_pending = False  # the step cleared the gradients
+
+    @unwatched
+    def step_optimizer_now(self) -> None:
+        """Step the optimizer on the gradients accumulated so far, whatever the micro-step count (DeepSpeed's
+        ``engine.optimizer.step()``). The step counters and the learning-rate schedule do not advance: that is
+        ``step()``'s part. Collective, as a boundary's step."""
+        scale_before = self.loss_scale
+        with self.timer.span("optimizer"):
+            if self._backward_open:
+                self._finish_backward()
+            self.join_update()
+            self._step_window(delayed=False, schedule=False)
+        self.strategies.reduce.end_step(self.loss_scale / scale_before)
+
+    def restart_accumulation(self) -> None:
+        """Make the next ``backward`` start a new accumulation (DeepSpeed's ``optimizer.zero_grad()``): the
+        gradients accumulated since the last optimizer step are dropped as it begins. Until then they stay as they
+        are, readable and steppable, as DeepSpeed keeps them."""
+        self._restart_pending = True
+
+    def _drop_gradients(self) -> None:
+        """Drop the accumulated gradients: the whole ones of stages 0-1 and the reduced rows of stages 2-3."""
+        self._restart_pending = False
+        for u in self._stepped:
+            for slot in u.slots:
+                slot.param.grad = None
+        self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)
+
+    def _optimizer_step(self, background: bool = False, schedule: bool = True) -> None:
+        """Unscale, take the global norm, skip or clip, then update the masters (and, with ``schedule``, step
+        the learning-rate schedule).
 
         ``background`` (delayed parameter update): the update runs on a thread and is published by the
         next :meth:`join_update`; the norm's collective stays on this thread, so every rank issues its
@@ -95,7 +147,7 @@ class OptimizerStep:
                             view.grad = None
                         u.refresh_shard_from_master(recast=u not in fused)
                         self._copy_back(u)
-                if self.lr_scheduler is not None:
+                if self.lr_scheduler is not None and schedule:
                     self.lr_scheduler.step()
                 if not self.plan.shards_weights:
                     self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
@@ -126,7 +178,7 @@ class OptimizerStep:
         """``optimizer.step()``; returns the units whose 16-bit shard it also wrote. A host optimizer with
         ``step_and_copy`` (CpuAdam) writes the recast of a shard that sits beside its master in the same pass
         over memory (ZeRO-Offload's copy-back), instead of a second pass reading every master again."""
-        copy = getattr(self.optimizer, "step_and_copy", None)
+        copy = getattr(self.master_optimizer, "step_and_copy", None)
         out16: dict[torch.Tensor, torch.Tensor] = {}
         fused: set[Unit] = set()
         if copy is not None:
@@ -139,7 +191,7 @@ class OptimizerStep:
         if out16:
             copy(out16)
         else:
-            self.optimizer.step()
+            self.master_optimizer.step()
         return fused
 
     @staticmethod
@@ -177,8 +229,8 @@ class OptimizerStep:
 
     def _apply_update(self) -> None:
         """The optimizer and scheduler step on the fp32 masters (no collective: may run on a thread)."""
-        self.optimizer.step()
-        for group in self.optimizer.param_groups:
+        self.master_optimizer.step()
+        for group in self.master_optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
         if self.lr_scheduler is not None:

@@ -160,15 +160,17 @@ def full_grad(loc: Located) -> Optional[torch.Tensor]:
     return _full(loc, loc.unit.grad_views()[loc.index]).mul_(engine.grad_unscale)
 
 
-def local_grad(loc: Located) -> Optional[torch.Tensor]:
-    """This rank's part of the reduced, unscaled gradient (stages 2-3); None before any backward."""
+def local_grad(loc: Located, padded: bool = False) -> Optional[torch.Tensor]:
+    """This rank's part of the reduced, unscaled gradient (stages 2-3; ``padded``: the whole chunk, its zero
+    padding included); None before any backward."""
     if not loc.engine.plan.reduces_as_ready:
         raise ValueError("the local gradient is a ZeRO-3 (and 2) notion: at stages 0-1 every rank holds the whole "
                          "gradient until the step; use the full gradient")
     if loc.unit.grad is None:
         return None
     start, stop = loc.span
-    return loc.unit.grad_views()[loc.index][: stop - start].detach().float().mul(loc.engine.grad_unscale)
+    chunk = loc.unit.grad_views()[loc.index]
+    return (chunk if padded else chunk[: stop - start]).detach().float().mul(loc.engine.grad_unscale)
 
 
 def grad_norms(locs: list[Located]) -> list[torch.Tensor]:
@@ -208,7 +210,7 @@ def set_grad(loc: Located, value: torch.Tensor, local: bool = False) -> None:
 # ---- optimizer state ------------------------------------------------------------------------------------------
 def _state(loc: Located, key: str) -> torch.Tensor:
     view = loc.unit.master_views()[loc.index]
-    state = loc.engine.optimizer.state.get(view, {})
+    state = loc.engine.master_optimizer.state.get(view, {})
     if key not in state:
         raise KeyError(f"parameter {loc.slot.name!r} has no optimizer state {key!r} (it has {sorted(state)}; the "
                        "state exists after the first optimizer step)")

@@ -8,7 +8,9 @@ subclass with no state of its own, whose properties read where zeropp keeps the 
 * ``ds_numel``, ``ds_shape``: the full size and shape (zeropp keeps them as ``numel()`` and ``shape`` too);
 * ``ds_status``: :class:`ZeroParamStatus` ``AVAILABLE`` while gathered, ``INFLIGHT`` while a gather is on its way,
   else ``NOT_AVAILABLE``;
-* ``ds_tensor``: this rank's part of the values (a copy, in the parameter's dtype; padding left out);
+* ``ds_tensor``: this rank's part of the values (a copy, in the parameter's dtype; padding left out), a
+  :class:`PartitionTensor`: ``param.ds_tensor.data = value`` writes the part (DeepSpeed's way to set a rank's
+  partition; here into the fp32 master, which becomes the weights), and an in-place change of it raises;
 * ``ds_id``: a number unique among the parameters of its engine (or of those partitioned at construction);
 * ``ds_persist``: whether its unit persists (stays gathered between passes: Note [persistent units]);
 * ``ds_secondary_tensor``: this rank's slice of it in hpZ's secondary copy (a copy), or None without hpZ or while
@@ -17,7 +19,7 @@ subclass with no state of its own, whose properties read where zeropp keeps the 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -28,6 +30,55 @@ from zeropp.partition.construction import PARAMS, State
 from zeropp.partition.unit import UnitState
 from zeropp.zero import param_state as ps
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
+
+
+# in-place operators by name (in-place methods are the names ending in one underscore)
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                              "__imatmul__"})
+
+
+class PartitionTensor(torch.Tensor):
+    """``param.ds_tensor``: a copy of this rank's part of a partitioned parameter. Assigning its ``data`` writes
+    the part through ``write`` (DeepSpeed's ``param.ds_tensor.data = value``); an in-place operation on it would
+    change only the copy, so it raises. Every other operation gives plain tensors."""
+
+    _write: Callable[[torch.Tensor], None]
+
+    @staticmethod
+    def of(values: torch.Tensor, write: Callable[[torch.Tensor], None]) -> "PartitionTensor":
+        t = torch.Tensor._make_subclass(PartitionTensor, values, False)
+        t._write = write
+        return t
+
+    @property  # type: ignore[override]
+    def data(self) -> "PartitionTensor":
+        return self
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self._write(value)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        inplace = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+        if (inplace and args and isinstance(args[0], PartitionTensor)) or isinstance(kwargs.get("out"), cls):
+            raise DeepSpeedAPIError(f"{name} on param.ds_tensor: zeropp's ds_tensor is a copy of this rank's part, "
+                                    "so an in-place change would be lost; assign param.ds_tensor.data = value, or "
+                                    "use deepspeed.utils.safe_set_local_fp32_param")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _local_part(value: torch.Tensor, owned: int, chunk: int, what: str) -> torch.Tensor:
+    """The ``owned`` elements of a value for this rank's part (a padded chunk's padding is dropped)."""
+    flat = value.detach().reshape(-1)
+    if flat.numel() not in (owned, chunk):
+        raise ValueError(f"param.ds_tensor.data = value: {what} owns {owned} elements here (a chunk of {chunk} "
+                         f"with padding), the value has {flat.numel()}")
+    return flat[:owned]
 
 
 class DeepSpeedParameter(nn.Parameter):
@@ -72,12 +123,21 @@ class DeepSpeedParameter(nn.Parameter):
     def ds_tensor(self) -> torch.Tensor:
         loc = ps.locate(self)
         if loc is not None:
-            return ps.local_master(loc).to(self.dtype)
+            def write_master(value: torch.Tensor, loc: ps.Located = loc) -> None:
+                start, stop = loc.span
+                part = _local_part(value, stop - start, loc.slot.spec.chunk, repr(loc.slot.name))
+                ps.set_master(loc, part, local=True)
+            return PartitionTensor.of(ps.local_master(loc).to(self.dtype), write_master)
         rec = PARAMS.get(self)
         if rec is None:
             raise DeepSpeedAPIError("param.ds_tensor: the parameter is not partitioned")
         start, stop = rec.spec.owned(PARAMS.comm.topo.rank)
-        return rec.shard[: stop - start].clone()
+
+        def write_shard(value: torch.Tensor) -> None:
+            part = _local_part(value, stop - start, rec.spec.chunk, repr(rec.label))
+            with torch.no_grad():
+                rec.shard[: stop - start].copy_(part)
+        return PartitionTensor.of(rec.shard[: stop - start].clone(), write_shard)
 
     @property
     def ds_secondary_tensor(self) -> Optional[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime``: the ``zero`` subpackage."""
-from zeropp.compat.deepspeed.runtime import zero
+"""``deepspeed.runtime``: the ``zero`` subpackage and ``engine.DeepSpeedEngine``."""
+from zeropp.compat.deepspeed.runtime import engine, zero
 
-__all__ = ["zero"]
+__all__ = ["engine", "zero"]

@@ -6,8 +6,15 @@ DeepSpeed returns a wrapper (``DeepSpeedZeroOptimizer`` for stages 1-2, ``DeepSp
 parameter's fp32 master chunk, so the wrapper here is a read-only view: ``optimizer`` is that torch optimizer
 (its ``state[master]["step"]`` is Adam's step count), stage 3's ``fp16_groups`` / ``fp32_partitioned_groups_flat``
 pair each master with its parameter (one sub-group per parameter), stages 1-2's ``bit16_groups`` /
-``single_partition_of_fp32_groups`` do the same per parameter group. Stepping belongs to the engine
-(``engine.step()``); a DeepSpeed name this view lacks raises :class:`DeepSpeedAPIError` naming it.
+``single_partition_of_fp32_groups`` do the same per parameter group. Under the alias, ``engine.optimizer`` is this
+view too (``runtime/engine.py``).
+
+Its ``step()`` is DeepSpeed's ZeRO optimizer step: the engine's optimizer step on the gradients accumulated so far,
+without advancing the engine's step counters or learning-rate schedule (``engine.step()`` does all of it);
+``zero_grad()`` makes the next backward start a new accumulation (until it runs, the gradients stay, as in
+DeepSpeed, where ``zero_grad(); step()`` steps on them). A rank's gradient partition (``averaged_gradients``,
+``get_fp32_grad_partitions()``) is its chunk of each parameter, zero padding included (Note [shard layout]).
+A DeepSpeed name this view lacks raises :class:`DeepSpeedAPIError` naming it.
 """
 from __future__ import annotations
 
@@ -28,19 +35,19 @@ class ZeroOptimizerView:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over the fp32 master chunks (DeepSpeed's ``optimizer.optimizer``)."""
-        return self._engine.optimizer
+        return self._engine.master_optimizer
 
     @property
     def param_groups(self) -> list[dict]:
-        return self._engine.optimizer.param_groups
+        return self._engine.master_optimizer.param_groups
 
     @property
     def state(self) -> Any:
-        return self._engine.optimizer.state
+        return self._engine.master_optimizer.state
 
     @property
     def defaults(self) -> dict:
-        return self._engine.optimizer.defaults
+        return self._engine.master_optimizer.defaults
 
     def _located(self) -> list[tuple[ps.Located, torch.Tensor]]:
         """(where the parameter lives, its fp32 master chunk) for every master the optimizer steps, in the
@@ -91,27 +98,78 @@ class ZeroOptimizerView:
         ``fp16_groups``); collective, so every rank calls. Their L2 norm is the global gradient norm."""
         return ps.grad_norms([loc for loc, _ in self._located()])
 
+    @property
+    def overflow(self) -> bool:
+        """Whether the last optimizer step was skipped (a non-finite gradient; fp16's overflow)."""
+        return bool(self._engine._skipped)
+
+    def _grad_partitions(self) -> dict[int, list[torch.Tensor]]:
+        """Per parameter group, this rank's fp32 gradient chunk of each parameter (zeros before any backward)."""
+        out: dict[int, list[torch.Tensor]] = {}
+        of_master = {id(m): loc for loc, m in self._located()}
+        for gi, group in enumerate(self.param_groups):
+            parts = []
+            for m in group["params"]:
+                loc = of_master.get(id(m))
+                if loc is not None:
+                    g = ps.local_grad(loc, padded=True)
+                    parts.append(torch.zeros(m.numel(), dtype=torch.float32) if g is None else g)
+            out[gi] = parts
+        return out
+
+    @property
+    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
+        """Stages 2-3: this rank's averaged gradient partition of each parameter, per parameter group (copies)."""
+        return self._grad_partitions()
+
+    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
+        """Stage 3: ``{group: {index in the group: this rank's fp32 gradient partition}}`` (copies)."""
+        return {gi: dict(enumerate(parts)) for gi, parts in self._grad_partitions().items()}
+
+    #: partitions start at an even element (Note [shard layout]: chunks are even), as DeepSpeed's NCCL alignment
+    nccl_start_alignment_factor = 2
+
+    @property
+    def parallel_partitioned_bit16_groups(self) -> list[list[torch.Tensor]]:
+        """Stages 1-2: each parameter's resident 16-bit weights as the ranks' partitions (views; one group per
+        parameter, as the engine keeps one buffer per parameter rather than per parameter group)."""
+        if self._engine.plan.shards_weights:
+            raise DeepSpeedAPIError("parallel_partitioned_bit16_groups: stage 3 keeps no resident 16-bit weights; "
+                                    "read param.ds_tensor for this rank's partition")
+        out = []
+        for loc, _ in self._located():
+            slot = loc.slot
+            out.append(list(slot.full.view(loc.unit.world, slot.spec.chunk).unbind(0)))
+        return out
+
     def state_dict(self) -> dict:
         """This rank's part of the optimizer state (the torch optimizer's over its master chunks)."""
-        return self._engine.optimizer.state_dict()
+        return self._engine.master_optimizer.state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: the engine clears its gradient shards at each optimizer step."""
+        """The next backward starts a new accumulation (the gradients so far are dropped as it begins; the engine
+        also clears them at each step)."""
+        self._engine.restart_accumulation()
 
     def step(self, closure: Any = None) -> None:
-        raise DeepSpeedAPIError("the ZeRO optimizer's step(): call engine.step(), which reduces, clips and steps "
-                                "at the accumulation boundary")
+        """DeepSpeed's ZeRO optimizer step (see the module docstring); collective. ``closure`` is refused."""
+        if closure is not None:
+            raise DeepSpeedAPIError("the ZeRO optimizer's step(closure): a closure re-evaluates the loss, which a "
+                                    "ZeRO step cannot do; run forward/backward, then step()")
+        self._engine.step_optimizer_now()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         raise DeepSpeedAPIError(f"the ZeRO optimizer's {name!r} is not provided by zeropp; it offers optimizer, "
                                 "param_groups, state, fp16_groups, fp32_partitioned_groups_flat, bit16_groups, "
-                                "single_partition_of_fp32_groups, loss_scale, _get_norm_groups, _global_grad_norm, "
-                                "state_dict and zero_grad")
+                                "single_partition_of_fp32_groups, parallel_partitioned_bit16_groups, "
+                                "averaged_gradients, get_fp32_grad_partitions, nccl_start_alignment_factor, "
+                                "loss_scale, overflow, _get_norm_groups, _global_grad_norm, state_dict, step and "
+                                "zero_grad")
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._engine.optimizer!r})"
+        return f"{type(self).__name__}({self._engine.master_optimizer!r})"
 
 
 class DeepSpeedZeroOptimizer(ZeroOptimizerView):
