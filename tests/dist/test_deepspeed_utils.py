@@ -1,6 +1,6 @@
 """DeepSpeed's ``deepspeed.utils`` as scripts call it, through ``zeropp.install_deepspeed_alias()`` on 2
 ranks: full fp32 weights, gradients and Adam state read and set at stages 1-3, with and without optimizer
-offload, against an independent single-process model trained on the same data (torch's AdamW, no zeropp);
+offload (to the host; at stage 3 also to NVMe), against an independent single-process model trained on the same data (torch's AdamW, no zeropp);
 each rank's local parts; leaf modules marked by class, by name and by config."""
 from __future__ import annotations
 
@@ -19,13 +19,16 @@ from support.train import error_of
 from support.world import run_world
 
 WORLD, LR, WD = 2, 1e-2, 0.01
-VARIANTS = [(stage, offload) for stage in (1, 2, 3) for offload in (False, True)]
+# offload: False, True (the host) or "nvme" (optimizer states swapped to files: rows leave memory between uses)
+VARIANTS = [(stage, offload) for stage in (1, 2, 3) for offload in (False, True)] + [(3, "nvme")]
 KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
-def config(stage: int, offload: bool) -> dict:
+def config(stage: int, offload: bool | str) -> dict:
     zero: dict = {"stage": stage}
-    if offload:
+    if offload == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.mkdtemp(prefix="zeropp-nvme-")}
+    elif offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
@@ -43,7 +46,7 @@ def snapshot(model, utils, with_state: bool, grads: bool = False) -> dict:
     return out
 
 
-def alias_run(rank: int, stage: int, offload: bool) -> dict:
+def alias_run(rank: int, stage: int, offload: bool | str) -> dict:
     """Step 0, grads read; step 1; weights and Adam state read; weights halved and exp_avg zeroed through
     the setters; step 2; read again. Also each rank's local parts after step 2."""
     import deepspeed

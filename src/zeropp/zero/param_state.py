@@ -157,7 +157,8 @@ def full_grad(loc: Located) -> Optional[torch.Tensor]:
         return mean.mul_(engine.grad_unscale / engine.topo.world_size)
     if loc.unit.grad is None:
         return None
-    return _full(loc, loc.unit.grad_views()[loc.index]).mul_(engine.grad_unscale)
+    with engine.residency.resident([loc.unit], dirty=False):
+        return _full(loc, loc.unit.grad_views()[loc.index]).mul_(engine.grad_unscale)
 
 
 def local_grad(loc: Located, padded: bool = False) -> Optional[torch.Tensor]:
@@ -169,8 +170,9 @@ def local_grad(loc: Located, padded: bool = False) -> Optional[torch.Tensor]:
     if loc.unit.grad is None:
         return None
     start, stop = loc.span
-    chunk = loc.unit.grad_views()[loc.index]
-    return (chunk if padded else chunk[: stop - start]).detach().float().mul(loc.engine.grad_unscale)
+    with loc.engine.residency.resident([loc.unit], dirty=False):
+        chunk = loc.unit.grad_views()[loc.index]
+        return (chunk if padded else chunk[: stop - start]).detach().float().mul(loc.engine.grad_unscale)
 
 
 def grad_norms(locs: list[Located]) -> list[torch.Tensor]:
@@ -204,7 +206,8 @@ def set_grad(loc: Located, value: torch.Tensor, local: bool = False) -> None:
         slot.param.grad = (value.detach().reshape(slot.spec.shape) * scale).to(engine.policy.compute_dtype)
         return
     part = value.detach().reshape(-1).float() if local else _own_part(loc, value, "set the gradient")
-    _write(loc.unit.grad_views()[loc.index], part * scale)
+    with engine.residency.resident([loc.unit]):
+        _write(loc.unit.grad_views()[loc.index], part * scale)
 
 
 # ---- optimizer state ------------------------------------------------------------------------------------------
