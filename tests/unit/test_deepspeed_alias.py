@@ -77,3 +77,29 @@ def test_import_zeropp_as_deepspeed_reaches_the_subpackages():
     assert deepspeed.runtime.zero.ZeroParamStatus.AVAILABLE.value == 1
     with pytest.raises(DeepSpeedAPIError, match="deepspeed.moe"):
         deepspeed.moe  # noqa: B018
+
+
+def test_the_alias_reports_a_deepspeed_distribution_that_transformers_accepts(alias):
+    """Libraries check DeepSpeed's package metadata before using it (transformers' ``HfDeepSpeedConfig`` requires
+    ``deepspeed>=0.9.3``): the alias reports its version while installed, and the report goes with it."""
+    import importlib.metadata
+
+    import torch
+    from transformers.dependency_versions_check import dep_version_check
+    from transformers.integrations.deepspeed import is_deepspeed_available, prevent_arange_dtype_change
+    assert importlib.metadata.version("deepspeed") == "0.19.8"
+    assert "deepspeed" in {d.metadata["Name"] for d in importlib.metadata.distributions()}
+    assert is_deepspeed_available()
+    dep_version_check("deepspeed")  # transformers' requirement (deepspeed>=0.9.3) is met
+    # transformers swaps DeepSpeed's constructor wrapper around zero.Init; zeropp's Init wraps none
+    from deepspeed.runtime.zero import partition_parameters as pp
+    original = pp.zero_wrapper_for_fp_tensor_constructor
+    with prevent_arange_dtype_change():
+        assert pp.zero_wrapper_for_fp_tensor_constructor is not original
+        with zeropp.zero.Init(enabled=False):
+            assert torch.arange(3, dtype=torch.float32).dtype == torch.float32
+    assert pp.zero_wrapper_for_fp_tensor_constructor is original
+    wrapped = original(torch.ones, torch.bfloat16)
+    assert wrapped(2).dtype == torch.bfloat16 and wrapped(2, dtype=torch.int64).dtype == torch.int64
+    uninstall_deepspeed_alias()  # (a real DeepSpeed installed here would still be reported: only ours goes)
+    assert not [d for d in importlib.metadata.distributions() if "zeropp" in (d.metadata["Summary"] or "")]
