@@ -6,6 +6,7 @@ cast; an unused parameter raises DeepSpeed's AssertionError."""
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import torch
 from torch import nn
@@ -123,11 +124,41 @@ def inputs_and_errors(rank: int) -> dict:
     return out
 
 
+def accessors(rank: int) -> dict:
+    """The engine's DeepSpeed accessors over an accumulation window of 2 micro-steps (stage 2, bf16, the optimizer
+    on the host)."""
+    import deepspeed
+    model = make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, config=config(2, gradient_accumulation_steps=2, bf16={
+        "enabled": True}, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}))
+    out: dict = {"batch": engine.get_batch_info(), "sizes": (engine.dp_world_size, engine.mp_world_size, engine.mpu),
+                 "settings": (engine.gradient_clipping(), engine.gradient_predivide_factor(), engine.steps_per_print(),
+                              engine.wall_clock_breakdown(), engine.dynamic_loss_scale(), engine.amp_enabled()),
+                 "zero": (engine.zero_optimization_partition_gradients(), engine.zero_optimization_partition_weights(),
+                          engine.zero_offload_optimizer(), engine.zero_offload_param(), engine.zero_cpu_offload(),
+                          engine.zero_allgather_bucket_size(), engine.zero_overlap_comm()),
+                 "reduce_bucket": engine.zero_reduce_bucket_size(), "comm_dtype": engine.communication_data_type,
+                 "missing": error_of(lambda: engine.training_dataloader)}
+    applied = []
+    for micro in range(2):
+        x, y = ds_batch(micro, rank)
+        engine.backward(ds_loss(engine, x, y))
+        engine.step()
+        applied.append(engine.was_step_applied())
+    out.update(applied=applied, samples=engine.global_samples, skipped=engine.skipped_steps)
+    path = engine.save_fp16_model(tempfile.mkdtemp(prefix="zeropp-fp16-") if rank == 0 else "unused")
+    out["saved"] = sorted(torch.load(path)) if rank == 0 else None
+    out["names"] = sorted(n for n, _ in model.named_parameters())
+    engine.destroy()
+    return out
+
+
 def scenario(rank: int, world: int) -> dict:
     zeropp.install_deepspeed_alias()
     out: dict = {stage: optimizer_calls(rank, stage) for stage in (1, 2, 3)}
     out["writes"] = partition_writes(rank)
     out["inputs"] = inputs_and_errors(rank)
+    out["accessors"] = accessors(rank)
     return out
 
 
@@ -226,3 +257,17 @@ def test_inputs_pass_uncast_under_the_alias_and_unused_parameters_raise_assertio
         message, cause = got["unused"]
         assert "ignore_unused_parameters" in message and "unused.weight" in message
         assert cause == "UnusedParametersError"
+
+
+def test_the_engines_deepspeed_accessors_read_its_settings_and_steps():
+    for res in results():
+        got = res["accessors"]
+        assert got["batch"] == (2 * 2 * WORLD, 2, 2) and got["sizes"] == (WORLD, 1, None)
+        assert got["settings"] == (1.0, 1.0, 10, False, False, False)
+        assert got["zero"] == (True, False, True, False, True, 500_000_000, True)
+        assert got["reduce_bucket"] > 0 and got["comm_dtype"] == torch.bfloat16
+        assert got["missing"].startswith("DeepSpeedAPIError") and "training_dataloader" in got["missing"]
+        assert got["applied"] == [False, True]  # off the boundary nothing was applied
+        assert got["samples"] == 2 * 2 * WORLD and got["skipped"] == 0
+    saved = results()[0]["accessors"]  # rank 0 wrote the file
+    assert set(saved["names"]) <= set(saved["saved"]), saved["saved"]  # the weights (and the persistent buffer)

@@ -26,6 +26,9 @@ MISSING_ENGINE_API = frozenset({
     "no_sync", "set_data_post_process_func",
     "set_custom_curriculum_learning_schedule", "get_sequence_parallel_group", "module_state_dict",
     "load_module_state_dict", "get_data_types", "optimizer_name", "timers",
+    "training_dataloader", "dataloader_drop_last", "checkpoint_tag_validation_enabled", "client_optimizer",
+    "basic_optimizer", "autotuning_enabled", "progressive_layer_drop", "data_parallel_group", "seq_parallel_group",
+    "client_lr_scheduler", "quantize_training", "zero_quantized_nontrainable_weights",
 })
 
 
@@ -123,6 +126,10 @@ class DeepSpeedSurface:
     policy: Any
     optimizer: torch.optim.Optimizer
     module: torch.nn.Module
+    global_steps: int
+    loss_scaler: Any
+    reduce_bucket_size: int
+    _step_applied: bool
 
     @property
     def tput_timer(self) -> ThroughputTimer:
@@ -168,6 +175,83 @@ class DeepSpeedSurface:
         """The learning rate of each optimizer parameter group."""
         return [group["lr"] for group in self.master_optimizer.param_groups]
 
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train batch size, micro-batch per rank, gradient accumulation steps)."""
+        b = self._batch()
+        return b.train_batch_size, b.micro_batch_per_rank, self.policy.gradient_accumulation_steps
+
+    @property
+    def global_samples(self) -> int:
+        """Samples trained on over all ranks: optimizer steps times the train batch size."""
+        return self.global_steps * self.train_batch_size()
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the weights: False off an accumulation boundary and when the step
+        was skipped (a non-finite gradient, fp16's overflow)."""
+        return self._step_applied
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks in data parallel: the world (zeropp has no model or pipeline parallel dimension)."""
+        return self.topo.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1  # no model parallelism
+
+    mpu = None  # DeepSpeed's model-parallel unit: none
+
+    def gradient_clipping(self) -> float:
+        return self.policy.gradient_clipping
+
+    def gradient_predivide_factor(self) -> float:
+        return self.policy.grad_predivide
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def dynamic_loss_scale(self) -> bool:
+        """fp16 with a dynamic loss scale (``fp16.loss_scale`` 0)."""
+        return self.loss_scaler is not None and self.config.fp16.loss_scale == 0
+
+    def amp_enabled(self) -> bool:
+        return False  # Apex AMP: the config refuses it
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: the compute dtype (qgZ puts int4 on the wire within it)."""
+        return self.policy.compute_dtype
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.policy.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.policy.stage >= 3
+
+    def zero_offload_optimizer(self) -> bool:
+        return bool(self.policy.offload_optimizer)
+
+    def zero_offload_param(self) -> bool:
+        return bool(self.policy.offload_param)
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer runs on the host (``offload_optimizer.device`` "cpu")."""
+        off = self.config.zero_optimization.offload_optimizer
+        return off is not None and off.device == "cpu"
+
+    def zero_reduce_bucket_size(self) -> int:
+        """The reduce bucket size in use (sized from the model when the config leaves it out: Note [bucket size])."""
+        return self.reduce_bucket_size
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self.config.zero_optimization.allgather_bucket_size
+
+    def zero_overlap_comm(self) -> bool:
+        return True  # zeropp always overlaps communication with compute
+
     def zero_optimization_stage(self) -> int:
         return self.policy.stage
 
@@ -203,6 +287,10 @@ class DeepSpeedSurface:
         them too), so this only closes a backward still open; ``bucket_size`` is DeepSpeed's and unused."""
         if self._backward_open:  # type: ignore[attr-defined]
             self._finish_backward()  # type: ignore[attr-defined]
+
+    def save_fp16_model(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's older name of ``save_16bit_model``."""
+        return self.save_16bit_model(*args, **kwargs)  # type: ignore[attr-defined]
 
     def destroy(self) -> None:
         """DeepSpeed's name for releasing the engine's resources (``close``)."""

@@ -239,6 +239,8 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         self.order = CollectiveOrder()  # Note [collective order]
         self._backward_open = False
         self._restart_pending = False  # restart_accumulation(): the next backward drops the gradients first
+        self._step_applied = False  # the last step() updated the weights
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
         self.micro_steps = 0
         self.global_steps = 0
         self._global_grad_norm: Optional[float] = None
@@ -690,6 +692,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         with self.timer.span("optimizer"):  # all of this call's work is in a span: untracked is the caller's
             # unfrozen since initialize: refused; frozen: refused at the boundary if it got no gradient in the window
             check_requires_grad(self.units, self._got_grad_in_window if boundary else None)
+            self._step_applied = False
             if self._backward_open:
                 with self.timer.span("backward"):
                     self._finish_backward()
@@ -702,6 +705,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
             self.micro_steps = -(-self.micro_steps // gas) * gas
             after = self.policy.delayed_update_after
             self._step_window(delayed=after is not None and self.global_steps >= after)
+            self._step_applied = not self._skipped
         self.global_steps += 1
         self.strategies.reduce.end_step(self.loss_scale / scale_before)
         self.ledger.close_step()

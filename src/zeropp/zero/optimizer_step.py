@@ -42,6 +42,7 @@ class OptimizerStep:
     global_steps: int
     _global_grad_norm: Optional[float]
     _skipped: bool
+    skipped_steps: int
     _update: Optional[BackgroundUpdate]
 
     _backward_open: bool
@@ -128,6 +129,7 @@ class OptimizerStep:
         norm = self._global_norm(fp32_grad)
         self._global_grad_norm = norm
         self._skipped = not math.isfinite(norm)
+        self.skipped_steps += self._skipped
         if self.loss_scaler is not None:
             self._note_overflow(self._skipped)
         elif self._skipped:
