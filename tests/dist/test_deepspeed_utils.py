@@ -91,7 +91,8 @@ def zero_optimizer_view(engine, optimizer, model) -> dict:
             "groups3": sorted(names[id(p)] for [p] in optimizer.fp16_groups),
             "groups12": sorted(names[id(p)] for g in optimizer.bit16_groups for p in g),
             "global_steps": engine.global_steps, "inner_is_engines": inner is engine.master_optimizer,
-            "class": type(optimizer).__name__, "missing": error_of(lambda: optimizer.no_such_name).split(":")[0]}
+            "class": type(optimizer).__name__, "missing": error_of(lambda: optimizer.load_state_dict).split(":")[0],
+            "unknown": error_of(lambda: optimizer.no_such_name).split(":")[0], "hasattr": hasattr(optimizer, "train")}
 
 
 class Pair(nn.Module):
@@ -504,7 +505,8 @@ def test_the_returned_optimizer_reads_as_deepspeeds_zero_optimizer(stage, offloa
         assert view["global_steps"] == 3 and view["inner_is_engines"]
         assert view["steps3"] == view["steps12"] == [3.0] * len(names)
         assert view["groups3"] == view["groups12"] == names
-        assert view["missing"] == "DeepSpeedAPIError"
+        assert view["missing"] == "DeepSpeedAPIError"  # a DeepSpeed name it lacks, named
+        assert view["unknown"] == "AttributeError" and view["hasattr"] is False  # as DeepSpeed's, for probes
         assert view["class"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
 
 

@@ -14,7 +14,8 @@ without advancing the engine's step counters or learning-rate schedule (``engine
 ``zero_grad()`` makes the next backward start a new accumulation (until it runs, the gradients stay, as in
 DeepSpeed, where ``zero_grad(); step()`` steps on them). A rank's gradient partition (``averaged_gradients``,
 ``get_fp32_grad_partitions()``) is its chunk of each parameter, zero padding included (Note [shard layout]).
-A DeepSpeed name this view lacks raises :class:`DeepSpeedAPIError` naming it.
+A DeepSpeed name this view lacks raises :class:`DeepSpeedAPIError` naming it; any other name an AttributeError
+(``hasattr`` answers False, as with DeepSpeed's optimizer).
 """
 from __future__ import annotations
 
@@ -24,6 +25,23 @@ import torch
 
 from zeropp.zero import param_state as ps
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
+
+
+# DeepSpeed ZeRO optimizer attributes that scripts and integrations read and this view does not provide (yet)
+MISSING_OPTIMIZER_API = frozenset({
+    "load_state_dict", "backward", "loss_scaler", "dynamic_loss_scale", "clip_grad", "partition_count",
+    "dp_process_group", "real_dp_process_group", "overlap_comm", "contiguous_gradients", "reduce_bucket_size",
+    "allgather_bucket_size", "cpu_offload", "offload_optimizer", "offload_param", "refresh_fp32_params",
+    "empty_partition_cache", "fp16_partitioned_groups_flat", "params_in_partition", "sub_group_size",
+    "micro_step_id", "gradient_accumulation_steps", "get_grad_norm_direct", "has_overflow", "check_overflow",
+    "scale_if_loss", "get_lr", "is_gradient_accumulation_boundary", "reduce_gradients", "initialize_optimizer_states",
+    "_restore_from_bit16_weights", "get_full_hp_param", "save_checkpoint_prologue", "save_checkpoint_epilogue",
+    "update_lp_params", "round_robin_bit16_groups", "custom_loss_scaler", "external_loss_scale",
+})
+_OFFERED = ("zeropp's view offers optimizer, param_groups, state, fp16_groups, fp32_partitioned_groups_flat, "
+            "bit16_groups, single_partition_of_fp32_groups, parallel_partitioned_bit16_groups, averaged_gradients, "
+            "get_fp32_grad_partitions, nccl_start_alignment_factor, loss_scale, overflow, _get_norm_groups, "
+            "_global_grad_norm, state_dict, step and zero_grad")
 
 
 class ZeroOptimizerView:
@@ -161,12 +179,10 @@ class ZeroOptimizerView:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        raise DeepSpeedAPIError(f"the ZeRO optimizer's {name!r} is not provided by zeropp; it offers optimizer, "
-                                "param_groups, state, fp16_groups, fp32_partitioned_groups_flat, bit16_groups, "
-                                "single_partition_of_fp32_groups, parallel_partitioned_bit16_groups, "
-                                "averaged_gradients, get_fp32_grad_partitions, nccl_start_alignment_factor, "
-                                "loss_scale, overflow, _get_norm_groups, _global_grad_norm, state_dict, step and "
-                                "zero_grad")
+        if name in MISSING_OPTIMIZER_API:
+            raise DeepSpeedAPIError(f"the ZeRO optimizer's {name!r} is not provided by zeropp; {_OFFERED}")
+        # not a DeepSpeed name either: an AttributeError, so that hasattr() answers False as with DeepSpeed's
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} ({_OFFERED})")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._engine.master_optimizer!r})"
