@@ -1,7 +1,8 @@
 """DeepSpeed's ``deepspeed.utils`` as scripts call it, through ``zeropp.install_deepspeed_alias()`` on 2
 ranks: full fp32 weights, gradients and Adam state read and set at stages 1-3, with and without optimizer
-offload (to the host; at stage 3 also to NVMe), against an independent single-process model trained on the same data (torch's AdamW, no zeropp);
-each rank's local parts; leaf modules marked by class, by name and by config."""
+offload (to the host; at stage 3 also to NVMe), against an independent single-process model trained on the
+same data (torch's AdamW, no zeropp); each rank's local parts; leaf modules marked by class, by name and by
+config."""
 from __future__ import annotations
 
 import functools

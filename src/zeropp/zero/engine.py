@@ -151,7 +151,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
     (this module must never import ``zeropp.checkpoint``: tests/unit/test_layers.py).
     """
 
-    #: floating-point inputs of ``forward`` are cast to the compute dtype (DeepSpeed's engine: only with fp16's auto_cast)
+    #: ``forward`` casts floating-point inputs to the compute dtype (a subclass may leave them as given)
     casts_inputs = True
 
     def __init__(
@@ -647,10 +647,10 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         self.comm.all_reduce(flags, self.topo.world, Phase.OTHER)
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if ranks:
-            raise UnusedParametersError(f"parameters {unused[:10] or '(on other ranks)'} got no gradient in this backward "
-                               f"(rank(s) {ranks}): they were not used to compute the loss. Set "
-                               "zero_optimization.ignore_unused_parameters to true (the default) to train on "
-                               "without them, or remove them from the model or from model_parameters")
+            raise UnusedParametersError(
+                f"parameters {unused[:10] or '(on other ranks)'} got no gradient in this backward (rank(s) {ranks}): "
+                "they were not used to compute the loss. Set zero_optimization.ignore_unused_parameters to true (the "
+                "default) to train on without them, or remove them from the model or from model_parameters")
 
     def _reduce_whole_gradients(self) -> None:
         """Stages 0-1, at the boundary: reduce every accumulated full gradient into its shard.

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from zeropp.checkpoint import CheckpointingEngine
-from zeropp.zero.engine import UnusedParametersError
 from zeropp.compat.deepspeed.runtime.zero.zero_optimizer import ZeroOptimizerView, zero_optimizer_view
+from zeropp.zero.engine import UnusedParametersError
 
 
 class DeepSpeedEngine(CheckpointingEngine):

@@ -3,7 +3,7 @@ read it, over the torch optimizer the engine steps.
 
 DeepSpeed returns a wrapper (``DeepSpeedZeroOptimizer`` for stages 1-2, ``DeepSpeedZeroOptimizer_Stage3``) whose
 ``optimizer`` is the torch optimizer over fp32 partitions. zeropp's engine steps a torch optimizer over each
-parameter's fp32 master chunk, so the wrapper here is a read-only view: ``optimizer`` is that torch optimizer
+parameter's fp32 master chunk, so the wrapper here is a view: ``optimizer`` is that torch optimizer
 (its ``state[master]["step"]`` is Adam's step count), stage 3's ``fp16_groups`` / ``fp32_partitioned_groups_flat``
 pair each master with its parameter (one sub-group per parameter), stages 1-2's ``bit16_groups`` /
 ``single_partition_of_fp32_groups`` do the same per parameter group. Under the alias, ``engine.optimizer`` is this
