@@ -124,7 +124,7 @@ class DeepSpeedSurface:
     topo: Any
     config: Any
     policy: Any
-    optimizer: torch.optim.Optimizer
+    master_optimizer: torch.optim.Optimizer
     module: torch.nn.Module
     global_steps: int
     loss_scaler: Any

@@ -164,15 +164,30 @@ def full_grad(loc: Located) -> Optional[torch.Tensor]:
 def local_grad(loc: Located, padded: bool = False) -> Optional[torch.Tensor]:
     """This rank's part of the reduced, unscaled gradient (stages 2-3; ``padded``: the whole chunk, its zero
     padding included); None before any backward."""
-    if not loc.engine.plan.reduces_as_ready:
+    return local_grads([loc], padded)[0]
+
+
+def local_grads(locs: list[Located], padded: bool = False) -> list[Optional[torch.Tensor]]:
+    """:func:`local_grad` of each parameter (of one engine), reading each unit's gradient row once: one pass of
+    the residency over the units' rows (with NVMe, each row is read from its file once, nothing else)."""
+    if not locs:
+        return []
+    engine = locs[0].engine
+    if not engine.plan.reduces_as_ready:
         raise ValueError("the local gradient is a ZeRO-3 (and 2) notion: at stages 0-1 every rank holds the whole "
                          "gradient until the step; use the full gradient")
-    if loc.unit.grad is None:
-        return None
-    start, stop = loc.span
-    with loc.engine.residency.resident([loc.unit], dirty=False):
-        chunk = loc.unit.grad_views()[loc.index]
-        return (chunk if padded else chunk[: stop - start]).detach().float().mul(loc.engine.grad_unscale)
+    out: list[Optional[torch.Tensor]] = [None] * len(locs)
+    of_unit: dict[Unit, list[int]] = {}
+    for i, loc in enumerate(locs):
+        of_unit.setdefault(loc.unit, []).append(i)
+    for group in engine.residency.grad_pass([u for u in of_unit if u.grad is not None]):
+        for unit in group:
+            views = unit.grad_views()
+            for i in of_unit[unit]:
+                start, stop = locs[i].span
+                chunk = views[locs[i].index]
+                out[i] = (chunk if padded else chunk[: stop - start]).detach().float().mul(engine.grad_unscale)
+    return out
 
 
 def grad_norms(locs: list[Located]) -> list[torch.Tensor]:
@@ -186,8 +201,7 @@ def grad_norms(locs: list[Located]) -> list[torch.Tensor]:
                 for g in (full_grad(loc) for loc in locs)]
     device = locs[0].unit.device
     sq = torch.zeros(len(locs), dtype=torch.float64, device=device)
-    for i, loc in enumerate(locs):
-        g = local_grad(loc)
+    for i, g in enumerate(local_grads(locs)):
         if g is not None:
             sq[i] = torch.linalg.vector_norm(g.to(device), dtype=torch.float64).square()
     if engine.shard_world > 1:

@@ -119,21 +119,15 @@ class ZeroOptimizerView:
     @property
     def overflow(self) -> bool:
         """Whether the last optimizer step was skipped (a non-finite gradient; fp16's overflow)."""
-        return bool(self._engine._skipped)
+        return self._engine.was_step_skipped()
 
     def _grad_partitions(self) -> dict[int, list[torch.Tensor]]:
         """Per parameter group, this rank's fp32 gradient chunk of each parameter (zeros before any backward)."""
-        out: dict[int, list[torch.Tensor]] = {}
-        of_master = {id(m): loc for loc, m in self._located()}
-        for gi, group in enumerate(self.param_groups):
-            parts = []
-            for m in group["params"]:
-                loc = of_master.get(id(m))
-                if loc is not None:
-                    g = ps.local_grad(loc, padded=True)
-                    parts.append(torch.zeros(m.numel(), dtype=torch.float32) if g is None else g)
-            out[gi] = parts
-        return out
+        located = self._located()
+        grads = {id(m): g for (_, m), g in zip(located, ps.local_grads([loc for loc, _ in located], padded=True))}
+        return {gi: [torch.zeros(m.numel(), dtype=torch.float32) if grads[id(m)] is None else grads[id(m)]
+                     for m in group["params"] if id(m) in grads]
+                for gi, group in enumerate(self.param_groups)}
 
     @property
     def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
