@@ -78,7 +78,14 @@ def sft_llama() -> torch.nn.Module:
                                         pad_token_id=0, eos_token_id=1, bos_token_id=1))
 
 
-def sft(out: str, rows: int, zeropp: bool) -> list[tuple[float, float]]:
+def lora_config() -> object:
+    from peft import LoraConfig
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+def sft(out: str, rows: int, zeropp: bool, peft: bool = False) -> list[tuple[float, float]]:
+    """TRL's SFTTrainer on its defaults (``gradient_checkpointing=True``); ``peft``: with ``peft_config=``, and
+    the adapter saved under ``out``/adapter."""
     from trl import SFTConfig, SFTTrainer
 
     from zeropp.hf import ZeroppTrainer
@@ -89,9 +96,14 @@ def sft(out: str, rows: int, zeropp: bool) -> list[tuple[float, float]]:
     args = SFTConfig(output_dir=out, per_device_train_batch_size=rows, max_steps=3, learning_rate=1e-3,
                      logging_steps=1, save_strategy="no", use_cpu=True, report_to=[], disable_tqdm=True,
                      max_length=48, train_sampling_strategy="sequential", bf16=False, seed=0)
+    assert args.gradient_checkpointing  # TRL's default, kept
     kw = dict(model=sft_llama(), args=args, train_dataset=text_lines(), processing_class=char_tokenizer())
+    if peft:
+        kw["peft_config"] = lora_config()
     trainer = ZeroppSFTTrainer(**kw, zeropp_config=copy.deepcopy(PLAIN)) if zeropp else SFTTrainer(**kw)
     trainer.train()
+    if peft:
+        trainer.save_model(os.path.join(out, "adapter"))
     return history(trainer)
 
 
@@ -103,7 +115,7 @@ def preferences() -> object:
     return datasets.Dataset.from_dict(rows)
 
 
-def dpo(out: str, rows: int, zeropp: bool, plus: bool = False) -> dict:
+def dpo(out: str, rows: int, zeropp: bool, plus: bool = False, peft: bool = False) -> dict:
     """TRL's DPOTrainer, the reference model given (TRL would load one by name); with zeropp mixed in, stage 3
     partitions the reference too (``plus``: ZeRO++ in bf16, the reference's weights kept as int8)."""
     from trl import DPOConfig, DPOTrainer
@@ -118,9 +130,14 @@ def dpo(out: str, rows: int, zeropp: bool, plus: bool = False) -> dict:
                      max_length=48, train_sampling_strategy="sequential", bf16=plus, seed=0)
     kw = dict(model=sft_llama(), ref_model=sft_llama(), args=args, train_dataset=preferences(),
               processing_class=char_tokenizer())
+    if peft:  # no reference model: TRL's reference is the policy with its adapter disabled
+        kw.update(ref_model=None, peft_config=lora_config())
+        args.gradient_checkpointing = True
     cfg = copy.deepcopy(PLUS if plus else PLAIN)
     trainer = ZeroppDPOTrainer(**kw, zeropp_config=cfg) if zeropp else DPOTrainer(**kw)
     trainer.train()
+    if peft:
+        return {"history": history(trainer)}
     ref = trainer.ref_model
     out = {"history": history(trainer), "ref_bytes_between_passes": sum(p.untyped_storage().nbytes()
                                                                           for p in ref.parameters())}
@@ -152,6 +169,9 @@ def run(rank: int, world: int, root: str) -> dict:
                      "trained": sum(p.numel() for group in trainer.engine.optimizer.param_groups
                                     for p in group["params"])}
     out["sft"] = sft(os.path.join(root, "sft"), MICRO, zeropp=True)
+    out["sft_lora"] = sft(os.path.join(root, "sft_lora"), MICRO, zeropp=True, peft=True)
+    out["sft_lora_adapter"] = os.path.join(root, "sft_lora", "adapter")
+    out["dpo_lora"] = dpo(os.path.join(root, "dpo_lora"), MICRO, zeropp=True, peft=True)
     out["dpo"] = dpo(os.path.join(root, "dpo"), MICRO, zeropp=True)
     out["dpo_int8"] = dpo(os.path.join(root, "dpo_int8"), MICRO, zeropp=True, plus=True)
     return out
@@ -226,6 +246,39 @@ def test_trls_sft_trainer_with_zeropp_mixed_in_matches_trls_own(world: list,
                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
     want = sft(str(tmp_path_factory.mktemp("sft_reference")), MICRO * RANKS, zeropp=False)
     got = world[0]["sft"]
+    assert len(got) == len(want) == 3
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
+        assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"
+
+
+def test_trls_sft_trainer_with_a_lora_adapter_and_checkpointing_matches_trls_own(
+        world: list, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """TRL's defaults, ``peft_config=`` and ``gradient_checkpointing=True``: the recipe that died with SIGSEGV. The
+    adapter ``save_model`` wrote loads in this plain process to the logits of TRL's own run's adapter."""
+    from peft import PeftModel
+    root = str(tmp_path_factory.mktemp("sft_lora_reference"))
+    want = sft(root, MICRO * RANKS, zeropp=False, peft=True)
+    got = world[0]["sft_lora"]
+    assert len(got) == len(want) == 3
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
+        assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"
+    x = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    logits = []
+    for where in (root, os.path.dirname(world[0]["sft_lora_adapter"])):
+        model = PeftModel.from_pretrained(sft_llama(), os.path.join(where, "adapter")).eval()
+        with torch.no_grad():
+            logits.append(model(x).logits)
+    assert not torch.equal(logits[0], sft_llama().eval()(x).logits)  # the adapter changes the logits
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_trls_dpo_trainer_with_a_lora_policy_matches_trls_own(world: list,
+                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A LoRA policy without a reference model: TRL computes the reference with the adapter disabled."""
+    want = dpo(str(tmp_path_factory.mktemp("dpo_lora_reference")), MICRO * RANKS, zeropp=False, peft=True)["history"]
+    got = world[0]["dpo_lora"]["history"]
     assert len(got) == len(want) == 3
     for step, (g, w) in enumerate(zip(got, want)):
         assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"

@@ -36,6 +36,21 @@ class ParamSlot:
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
 
+    def users(self) -> int:
+        """How many tensors hold the full buffer's storage (this buffer and the parameter among them)."""
+        with torch._C.DisableTorchFunction():
+            storage = self.full.untyped_storage()
+            return torch._C._storage_Use_Count(storage._cdata) - 1  # less the reference just taken
+
+    def hand_over(self) -> None:
+        """Leave the gathered storage to the tensors that still view it (Note [released storage]): the
+        parameter and the buffer move to a new, empty storage; the old one lives while any of those does."""
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            fresh = torch.empty(self.spec.padded, dtype=self.full.dtype, device=self.full.device)
+            self.param.data = fresh[: self.spec.numel].view(self.spec.shape)  # views first: a storage of
+            fresh.untyped_storage().resize_(0)                                 # 0 bytes takes no new view
+            self.full = fresh
+
     def allocate(self) -> None:
         nbytes = self.spec.padded * self.full.element_size()
         if self.full.untyped_storage().nbytes() != nbytes:
@@ -215,10 +230,18 @@ class Unit:
             slot.full.view(*lead, c).copy_(gathered[..., off : off + c])
         self.state = UnitState.GATHERED
 
-    def release(self) -> None:
+    def release(self, users: Optional[dict[int, int]] = None) -> bool:
+        """Free the full weights. ``users`` (slot id -> :meth:`ParamSlot.users` when gathered): a slot whose
+        storage has more users now is handed over instead of freed; True if any was (its storage changed)."""
+        moved = False
         for slot in self.slots:
-            slot.free()
+            if users is not None and id(slot) in users and slot.users() > users[id(slot)]:
+                slot.hand_over()
+                moved = True
+            else:
+                slot.free()
         self.state = UnitState.SHARDED
+        return moved
 
     def full_chunk_row(self, index: int, group_size: int) -> torch.Tensor:
         """While gathered: this unit's row of chunk ``index`` when split over ``group_size`` ranks."""

@@ -293,8 +293,9 @@ class DeepSpeedSurface:
         return self.save_16bit_model(*args, **kwargs)  # type: ignore[attr-defined]
 
     def destroy(self) -> None:
-        """DeepSpeed's name for releasing the engine's resources (``close``)."""
-        self.close()  # type: ignore[attr-defined]
+        """DeepSpeed's name for releasing the engine and its hold on the model (``unpartition``: the model is
+        left whole, ready for another ``initialize``)."""
+        self.unpartition()  # type: ignore[attr-defined]
 
     def compile(self, backend: Any = "inductor", compile_kwargs: Optional[dict[str, Any]] = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:

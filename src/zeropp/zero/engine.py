@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.hooks import RemovableHandle
 
 from zeropp.bucket_sizes import bucket_capacity, default_reduce_bucket_size
 from zeropp.comm.ledger import CommLedger, Phase
@@ -50,6 +51,7 @@ from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
 from zeropp.zero.optimizer_step import OptimizerStep
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder
 from zeropp.zero import idle_watch
+from zeropp.zero import teardown
 from zeropp.zero.param_use import ParamUse, unwatched
 from zeropp.zero.persistence import KeptUnits, persistent_units
 from zeropp.zero.reports import EngineReports
@@ -193,6 +195,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
                                                      or self.residency.swaps_states):
             raise ValueError("zero_quantized_nontrainable_weights: frozen weights are kept quantized in stage 3's "
                              "shards on the compute device; it needs stage 3 without offload_param or NVMe")
+        self.hooks: list[RemovableHandle] = []  # on the model and its parameters: removed by destroy()
         self.units, trainable = self._build_units(module, param_init_fn, trainable)
         self._stepped = [u for u in self.units if u.steps]  # units with gradient rows and a step (not frozen)
         self.kept = KeptUnits(persistent_units(self.units, policy.persistence_threshold,
@@ -223,8 +226,9 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         self.lr_scheduler = make_scheduler(self.master_optimizer)
         self._inflight: dict[Unit, PendingGather] = {}
         # ZeRO-R's residual memory (zero/memory.py): saved activations, gathered weights and the prefetch bound
-        weights = weight_storages(self.module)  # once: a weight keeps its storage object while it is resized
-        self.activations = ActivationMeter(lambda: weights)
+        # once: a weight keeps its storage object while it is resized (storages_moved() looks again)
+        self._weight_storages = weight_storages(self.module)
+        self.activations = ActivationMeter(lambda: self._weight_storages)
         self.gathered_weights = GatheredWeights(policy.max_live_parameters, policy.prefetch_bucket_size,
                                                 torch.empty((), dtype=policy.compute_dtype).element_size())
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
@@ -304,13 +308,13 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
                             listeners.partitioned(p)
                     self.residency.adopt(unit)
                     if self.plan.shards_weights:
-                        plan.module.register_forward_pre_hook(self._make_pre_forward(unit))
-                        plan.module.register_forward_hook(self._make_post_forward(unit))
+                        self.hooks += [plan.module.register_forward_pre_hook(self._make_pre_forward(unit)),
+                                       plan.module.register_forward_hook(self._make_post_forward(unit))]
                     whole = is_leaf(plan.module)  # Note [partly used units]
                     for slot_index, slot in enumerate(unit.slots):
                         if slot.param.requires_grad and self.plan.reduces_as_ready:
-                            slot.param.register_post_accumulate_grad_hook(
-                                self._make_grad_hook(unit, slot_index, whole))
+                            self.hooks.append(slot.param.register_post_accumulate_grad_hook(
+                                self._make_grad_hook(unit, slot_index, whole)))
                     units.append(unit)
             if meta is not None:
                 meta.finish()
@@ -404,9 +408,10 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         @unwatched
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
-                if unit.needs_grad():
-                    self._hook_outputs_for_backward(unit, output)
-                elif self.use is not None:
+                # gathered again before the module's backward, frozen or not: what autograd saved of the weights
+                # may have been packed by another library's saved-tensor hooks (Note [frozen units in backward])
+                self._hook_outputs_for_backward(unit, output)
+                if not unit.needs_grad() and self.use is not None:
                     self.use.hold_until_inputs_grad(unit, args)
             if self.use is not None and self.use.defer(unit):
                 return
@@ -766,9 +771,26 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
             if unit.state is UnitState.GATHERED:
                 self._free(unit)
 
+    def storages_moved(self) -> None:
+        """A unit's full buffers moved to new storages (``GatheredParameters`` left the old ones to aliases)."""
+        self._weight_storages = weight_storages(self.module)
+        if self.use is not None:
+            self.use.storages_moved()
+
     def masters_changed(self) -> None:
         """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""
         self._publish_masters(Phase.OTHER, self.units)
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward is running (or ran and its step has not finished it yet)."""
+        return self._backward_open
+
+    def unpartition(self) -> None:
+        """Give the model back whole (Note [leaving the model whole] in ``teardown.py``): every parameter holds
+        its current value in storage of its own, no hook of the engine is left on the model, and the engine is
+        closed. Collective. ``initialize`` may then be called on the model again."""
+        teardown.leave_whole(self)
 
     def close(self) -> None:
         """Wait for a delayed update, delete the NVMe offload files (also done at interpreter exit) and stop

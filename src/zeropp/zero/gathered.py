@@ -35,6 +35,16 @@ def track(engine: "ZeroEngine") -> None:
     _ENGINES.add(engine)
 
 
+def untrack(engine: "ZeroEngine") -> None:
+    """The engine gave its model back (``destroy()``): its parameters are no longer managed."""
+    _ENGINES.discard(engine)
+
+
+def gather_from_masters(engine: "ZeroEngine") -> None:
+    """Gather every sharded unit of ``engine`` from its fp32 masters and keep it gathered (collective)."""
+    _Opened(engine, {id(s.param) for u in engine.units for s in u.slots}, snapshot=False)
+
+
 def managed_ids() -> set[int]:
     """The ids of the parameters that live engines manage."""
     return {id(s.param) for engine in list(_ENGINES) for u in engine.units for s in u.slots}
@@ -50,6 +60,7 @@ class _Opened:
         engine.join_update()
         self.gathered = [u for u in self.units if u.state is UnitState.SHARDED]
         self.gather_from_masters()
+        self.users = {id(s): s.users() for u in self.gathered for s in u.slots}  # before the block's aliases
         self.before = {id(s): _flat(s).clone() for _, s in self.slots} if snapshot else {}
 
     def gather_from_masters(self) -> None:
@@ -83,9 +94,15 @@ class _Opened:
         engine.masters_changed()  # recast shards, bump versions (stale hpZ slices), rebuild resident weights
 
     def close(self) -> None:
+        """Release what the block gathered (no hpZ slice is kept from an out-of-band gather). Tensors the block
+        took from the parameters (``state_dict()`` values, ``detach()``) keep the gathered values: their storage
+        is handed over to them instead of freed (Note [released storage] in ``partition/unit.py``)."""
+        moved = False
         for u in self.gathered:
             if u.state is UnitState.GATHERED:
-                u.release()  # no hpZ slice is kept from an out-of-band gather
+                moved |= u.release(self.users)
+        if moved:
+            self.engine.storages_moved()
 
 
 def _flat(slot: ParamSlot) -> torch.Tensor:

@@ -17,6 +17,17 @@ engine's own work runs with torch-function handling off (``unwatched``). The che
 per torch call made outside the passes; :meth:`ZeroEngine.close` takes the mode off the stack once no
 engine needs it.
 
+Note [watches stay on]: torch takes a mode off its stack while the mode's own handler runs, and a handler
+that calls ``func(*args)`` runs all of ``func`` without it. Most torch functions are native and make no
+further torch calls, but some run Python that does: ``Tensor.backward`` and ``torch.autograd.grad`` run the
+whole backward (gradient hooks, custom ``autograd.Function`` backwards, and the forwards that activation
+checkpointing recomputes), ``torch.utils.checkpoint`` and the Python functionals run more torch calls. The
+engine's backward enters autograd through ``Tensor.backward``, so a watch that called ``func`` directly was
+off for every backward: a recomputed forward read a released frozen weight through a native kernel and the
+process died with SIGSEGV. So both watches (this one and ``ParamUse``'s) call ``func`` with themselves pushed
+back on the stack and one level of dispatch skipped (``torch.overrides.redispatch_function``): no torch call
+made while a watch is installed runs without it, whatever Python the call runs inside.
+
 What is still not seen: ops on an alias made before the release (``d = w.detach()`` inside a forward,
 read after it), and reads from threads other than the one that built the engine (the mode stack is
 per thread).
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from types import FunctionType
 from typing import Any, Optional, Protocol
 
 import torch
@@ -47,7 +59,26 @@ class _IdleMode(TorchFunctionMode):
         if _WATCHERS:
             for watcher in tuple(_WATCHERS):
                 watcher.check_idle(func, args, kwargs)
+        return run_watched(self, func, types, args, kwargs)
+
+
+_REDISPATCH = threading.local()  # .func: the Python function whose dispatch is being skipped on this thread
+
+
+def run_watched(mode: TorchFunctionMode, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """Call ``func`` from ``mode``'s handler with ``mode`` back on the stack (Note [watches stay on])."""
+    pending = getattr(_REDISPATCH, "func", None)
+    _REDISPATCH.func = None
+    if not isinstance(func, FunctionType) or pending is func:
+        # native: nothing inside it makes torch calls. ``pending is func``: the skipped hop went to another
+        # call, so ``func`` came back here; it runs as torch runs any handler's call, without the mode
         return func(*args, **kwargs)
+    _REDISPATCH.func = func
+    try:
+        with mode:
+            return torch.overrides.redispatch_function(func, types, args, kwargs)
+    finally:
+        _REDISPATCH.func = None
 
 
 _MODE = threading.local()  # .mode: this thread's _IdleMode, once installed

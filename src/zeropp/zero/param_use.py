@@ -121,9 +121,10 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if not torch.compiler.is_compiling():  # a compiled region's reads are served by learned spans
-            self.use.check_call(func, args, kwargs)
-        return func(*args, **kwargs)
+        if torch.compiler.is_compiling():  # a compiled region's reads are served by learned spans
+            return func(*args, **kwargs)
+        self.use.check_call(func, args, kwargs)
+        return idle_watch.run_watched(self, func, types, args, kwargs)  # Note [watches stay on]
 
 
 class ParamUse:
@@ -137,7 +138,9 @@ class ParamUse:
                  release: Callable[[Unit], None], backward_open: Callable[[], bool]) -> None:
         self._gather, self._release, self._backward_open = gather, release, backward_open
         self._slot: dict[int, tuple[Unit, ParamSlot]] = {id(s.param): (u, s) for u in units for s in u.slots}
-        self._storage: dict[int, Unit] = {s.full.untyped_storage()._cdata: u for u in units for s in u.slots}
+        self._units = units
+        self._storage: dict[int, Unit] = {}
+        self.storages_moved()
         self._names: dict[int, str] = {}
         self._stack: list[tuple[str, int]] = []  # (name, call number) of the running forwards, outermost first
         self._calls = 0
@@ -149,14 +152,20 @@ class ParamUse:
         self._active = False  # inside watching() or quiet()
         self._quiet = False  # inside quiet(): compiled passes (Note [compiled regions] in compiled.py)
         self._direct: Optional[contextlib.ExitStack] = None  # watching a forward not called through the engine
+        self.hooks: list[Any] = []  # removed by the engine's destroy()
         for name, mod in root.named_modules():
             self._names[id(mod)] = name
-            mod.register_forward_pre_hook(self._enter, prepend=True)
-            mod.register_forward_hook(self._exit, always_call=True)
+            self.hooks += [mod.register_forward_pre_hook(self._enter, prepend=True),
+                           mod.register_forward_hook(self._exit, always_call=True)]
             if any(True for _ in mod.parameters(recurse=False)):
-                mod.register_state_dict_pre_hook(self._state_dict_read)
-                mod.register_load_state_dict_pre_hook(self._state_dict_write)
+                self.hooks += [mod.register_state_dict_pre_hook(self._state_dict_read),
+                               mod.register_load_state_dict_pre_hook(self._state_dict_write)]
         idle_watch.watch(self)  # Note [reads between passes]
+
+    def storages_moved(self) -> None:
+        """Index the units by their parameters' storages again (a storage was handed over to its aliases)."""
+        with torch._C.DisableTorchFunction():
+            self._storage = {s.full.untyped_storage()._cdata: u for u in self._units for s in u.slots}
 
     # ---- the model's forward and backward run inside this -----------------------------------------------
     @contextlib.contextmanager
@@ -339,7 +348,17 @@ class ParamUse:
 
     def _check_idle_arg(self, func: Any, a: Any, args: tuple, kwargs: dict) -> None:
         hit = self._slot.get(id(a))
-        if hit is None or hit[0].state is not UnitState.SHARDED:
+        if hit is None:
+            unit = self._released_alias(a)
+            if unit is not None and call_name(func) not in METADATA | STORAGE_INFO:  # Note [released storage]
+                raise ParameterAccessError(
+                    f"a tensor sharing the storage of {unit.segment_names()} (module {unit.module_name or '<root>'!r}) "
+                    f"was read by {call_name(func)!r} after those weights were released (stage 3 partitions them "
+                    "between forwards): it was taken from the parameters while they were gathered (detach(), "
+                    "state_dict(), a view) and has no values now. Clone it while the weights are gathered, or read "
+                    "inside zeropp.zero.GatheredParameters(params) (whose state_dict() values stay valid after it)")
+            return
+        if hit[0].state is not UnitState.SHARDED:
             return
         name = call_name(func)
         if name in METADATA or name in STORAGE_INFO or is_noop(name, args, kwargs):  # engine.module.cpu() on CPU
@@ -362,9 +381,27 @@ class ParamUse:
         if out is not None and id(out) in self._slot:
             self._refuse(func, out)
 
+    def _released_alias(self, a: Any) -> Optional[Unit]:
+        """The released unit whose storage ``a`` views, for a tensor that is not a managed parameter itself (a
+        ``detach()``, a ``state_dict()`` value, a view taken while the unit was gathered); else None. A
+        released storage has no data (pointer 0), which is the cheap test that comes first."""
+        if not isinstance(a, torch.Tensor):
+            return None
+        try:
+            with torch._C.DisableTorchFunction():  # the engine's reads of a tensor's storage are not the model's
+                if a.data_ptr() != 0 or a.is_meta or a.numel() == 0:
+                    return None
+                unit = self._storage.get(a.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+            return None
+        return unit if unit is not None and unit.state is UnitState.SHARDED else None
+
     def _check_arg(self, func: Any, a: Any, first: bool) -> None:
         hit = self._slot.get(id(a))
         if hit is None:
+            unit = self._released_alias(a)
+            if unit is not None and call_name(func) not in METADATA:  # Note [released storage]
+                self._gather(unit)
             return
         name = call_name(func)
         if name in METADATA:
