@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeropp import checkpointing
+from zeropp import checkpointing, crash_report
 from zeropp import topology as topo_mod
 from zeropp.checkpoint import CheckpointingEngine
 from zeropp.comm.buffers import BufferPools
@@ -205,6 +205,7 @@ def initialize(
     topo_mod.ensure_process_group(timeout=timeout)
     zero = cfg.zero_optimization
     topo = topo_mod.build(cfg.topology.ranks_per_node, zero.zero_hpz_partition_size, timeout=timeout)
+    crash_report.install(topo.rank, topo.world_size)  # Note [crash report]: a fatal signal names this rank
     batch = cfg.resolve_batch(topo.world_size)
     ledger = CommLedger()
     comm = Comm(topo, ledger)

@@ -4,6 +4,7 @@ ranks are killed and ends bit for bit where an uninterrupted run ends; errors ev
 printed once."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -24,12 +25,17 @@ from zeropp.comm.ops import PeerLostError
 TIMEOUT_S, GB = 10.0, 8
 
 
-def die_mid_step(rank: int, world: int, victim: int, at_step: int, how: int = signal.SIGKILL) -> dict:
+def die_mid_step(rank: int, world: int, victim: int, at_step: int, how: int = signal.SIGKILL,
+                 stderr: str = "") -> dict:
     """Train; ``victim`` sends itself ``how`` between its backward and step at ``at_step`` (SIGKILL: a dead
     peer whose sockets close; SIGSTOP: a hung one, alive and silent); the others report what they raised and
     how long after."""
     cfg = {**config(GB, zero_quantized_weights=True, zero_hpz_partition_size=2, zero_quantized_gradients=True),
            "topology": {"ranks_per_node": 2}, "comm_timeout_s": TIMEOUT_S}
+    if stderr and rank == victim:  # what the victim prints as it dies goes to this file
+        fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 2)
+        os.close(fd)
     torch.manual_seed(0)
     engine, *_ = zeropp.initialize(model=TiedNet(), config=cfg)
     for step in range(at_step + 5):
@@ -37,6 +43,8 @@ def die_mid_step(rank: int, world: int, victim: int, at_step: int, how: int = si
         loss = engine(rank_slice(idx, rank, world), rank_slice(tgt, rank, world))
         engine.backward(loss)
         if step == at_step and rank == victim:
+            if how == signal.SIGSEGV:  # a native read through a null pointer, as a released weight once was
+                ctypes.string_at(0)
             os.kill(os.getpid(), how)
         if step == at_step:
             t0 = time.monotonic()
@@ -61,6 +69,22 @@ def test_a_killed_rank_makes_the_others_fail_with_peer_lost(victim: int, at_step
         assert res["type"] == PeerLostError.__name__, (rank, res)
         assert f"rank {rank}: " in res["message"] and "a peer rank was lost" in res["message"]
         assert res["after_s"] < TIMEOUT_S + 5, res
+
+
+def test_a_rank_that_segfaults_prints_its_rank_and_stacks_and_the_others_fail_with_peer_lost(tmp_path: Path) -> None:
+    """Note [crash report]: the dying rank names itself and prints every thread's Python stack (it read through a
+    null pointer in this file's die_mid_step); the others fail with PeerLostError, not a hang."""
+    log = tmp_path / "victim.stderr"
+    results = run_world(die_mid_step, 4, 1, 1, signal.SIGSEGV, str(log), ranks_per_node=2, timeout=120,
+                        dead=frozenset({1}))
+    assert results[1] == -signal.SIGSEGV
+    text = log.read_text()
+    assert "zeropp: rank 1 of 4" in text and "received a fatal signal" in text, text
+    assert "Fatal Python error: Segmentation fault" in text, text
+    assert "in die_mid_step" in text and "test_faults.py" in text, text  # the Python stack, down to the read
+    for rank in (0, 2, 3):
+        assert results[rank]["type"] == PeerLostError.__name__, (rank, results[rank])
+        assert f"rank {rank}: " in results[rank]["message"]
 
 
 def test_a_hung_rank_makes_the_others_fail_within_the_timeout() -> None:
