@@ -5,6 +5,35 @@ A unit owns, on this rank, one flat row of each kind (see Note [shard layout] in
 tensor as ``shard`` when computing in fp32) and ``grad`` (compute dtype, the reduced gradient shard).
 Each parameter keeps its identity and shape; its data is a view of a padded full-size buffer whose
 storage is freed (resized to 0) while the unit is sharded, so autograd metadata never changes.
+
+Note [released storage]: a released parameter keeps its shape over a storage of 0 bytes, whose data pointer
+is null; a native kernel handed it reads through that pointer and the process dies with SIGSEGV, no message.
+DeepSpeed swaps a released parameter's data for a tensor of shape ``[0]``, so a stray kernel fails a size
+check instead, at the price of every metadata read (``weight.shape`` in a module's ``__init__``-time logic,
+``numel()`` in a parameter count, the optimizer's views) seeing ``[0]``, which is why it carries ``ds_shape``
+and ``ds_numel`` beside it. zeropp keeps the true shape and keeps released storage away from native code by
+what sees every call instead:
+
+* the rule: while an engine is alive, no torch call that reaches a released storage goes unseen. Both
+  torch-function watches stay on through the Python that torch functions run (Note [watches stay on] in
+  ``zero/idle_watch.py``: the backward, its hooks, custom ``Function`` backwards and recomputed forwards ran
+  without them before), and they look at every tensor argument, not only the parameters: a tensor whose
+  storage is a released unit's (a ``detach()``, a view, a ``state_dict()`` value) counts as a read of that
+  unit. Inside the engine's passes such a read gathers the unit (its storage is refilled, so the alias sees
+  the weights again); between them it raises :class:`ParameterAccessError` naming the parameters.
+* before a module's backward its units are gathered again, frozen ones too (Note [frozen units in backward]),
+  so what autograd saved of the weights under another library's saved-tensor hooks (the checkpoint's
+  recomputation, TRL's and transformers' activation offloading) is valid when the backward reads it; weights
+  saved under the engine's own hooks are gathered when unpacked.
+* aliases that must outlive a release: ``GatheredParameters`` counts the users of each storage it gathered;
+  at exit a storage that gained users (``sd = model.state_dict()`` inside the block) is handed over to them
+  (:meth:`ParamSlot.hand_over`: the parameter moves to a new empty storage) instead of freed. That costs what
+  DeepSpeed's swap costs: the aliases keep the gathered weights alive until their last reference goes, and
+  nothing once they are gone.
+
+Not seen: native code called with torch functions disabled (an extension's C++ that takes the tensor
+directly, code under ``torch._C.DisableTorchFunction``) and torch calls made on threads other than the one
+that built the engine (the mode stack is per thread; autograd's own threads inherit it).
 """
 from __future__ import annotations
 
@@ -289,6 +318,19 @@ class FrozenUnit(Unit):
     fp32 master stays, so what a checkpoint or an export holds of a frozen weight is its exact value, as before.
     A parameter made trainable after ``initialize`` is refused by name (the engine holds no gradient row and
     no optimizer state for it).
+
+    Note [frozen units in backward]: a frozen unit is released at the end of its module's forward and gathered
+    again, like a trainable one, when the gradient of its module's output arrives, before the module's
+    backward reads the weights; it is released once its inputs' gradients are computed (or when backward ends,
+    where no input needs one). It was gathered again only when autograd unpacked a weight saved under the
+    engine's saved-tensor hooks, and a weight saved under another library's hooks never was: activation
+    checkpointing recomputes the forward under its own hooks (and transformers checkpoints a layer's
+    ``forward``, so the layer's unit hooks stay outside the recomputation), TRL's activation offloading keeps
+    parameters raw. The recomputed forward then read released frozen weights, and a LoRA fine-tune with
+    checkpointing died with SIGSEGV. Without recomputation the bytes do not change: one gather per frozen unit
+    in forward and one in backward. With it the recomputed forward needs the weights again where the first
+    forward's saved tensors would have carried them, so a frozen unit costs what a trainable one costs, one
+    gather per pass; ``bench/bench_recompute_bytes.py`` measures it against DeepSpeed's count.
     """
 
     steps = False

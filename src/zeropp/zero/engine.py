@@ -407,13 +407,16 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         @compiled_regions.eager
         @unwatched
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            use = self.use
+            assert use is not None  # stage 3, whose units have these hooks, watches its reads
             if torch.is_grad_enabled():
                 # gathered again before the module's backward, frozen or not: what autograd saved of the weights
                 # may have been packed by another library's saved-tensor hooks (Note [frozen units in backward])
-                self._hook_outputs_for_backward(unit, output)
-                if not unit.needs_grad() and self.use is not None:
-                    self.use.hold_until_inputs_grad(unit, args)
-            if self.use is not None and self.use.defer(unit):
+                if unit.needs_grad() or use.backward_reads(module, unit, args):
+                    self._hook_outputs_for_backward(unit, output)
+                if not unit.needs_grad():
+                    use.hold_until_inputs_grad(unit, args)
+            if use.defer(unit):
                 return
             self._release(unit, self._pass())
         return hook
@@ -787,9 +790,8 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         return self._backward_open
 
     def unpartition(self) -> None:
-        """Give the model back whole (Note [leaving the model whole] in ``teardown.py``): every parameter holds
-        its current value in storage of its own, no hook of the engine is left on the model, and the engine is
-        closed. Collective. ``initialize`` may then be called on the model again."""
+        """Give the model back whole, hooks removed, and close (Note [leaving the model whole] in ``teardown.py``).
+        Collective. ``initialize`` may then be called on the model again."""
         teardown.leave_whole(self)
 
     def close(self) -> None:

@@ -28,9 +28,10 @@ process died with SIGSEGV. So both watches (this one and ``ParamUse``'s) call ``
 back on the stack and one level of dispatch skipped (``torch.overrides.redispatch_function``): no torch call
 made while a watch is installed runs without it, whatever Python the call runs inside.
 
-What is still not seen: ops on an alias made before the release (``d = w.detach()`` inside a forward,
-read after it), and reads from threads other than the one that built the engine (the mode stack is
-per thread).
+An alias made while the weights were gathered (``d = w.detach()`` inside a forward, read after it) is seen
+too: its storage is the released unit's (Note [released storage] in ``partition/unit.py``). What is still not
+seen: native code reached with torch functions disabled, and reads from threads other than the one that built
+the engine (the mode stack is per thread).
 """
 from __future__ import annotations
 

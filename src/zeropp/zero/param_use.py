@@ -149,6 +149,7 @@ class ParamUse:
         self.spans: dict[Unit, str] = {}  # learned: the module whose forward end releases the unit
         self._released_in: dict[Unit, set[int]] = {}  # the forward calls running when it was last released
         self._reported: set[tuple[str, str]] = set()
+        self._trains_inside: dict[Unit, bool] = {}  # a frozen unit's module holds trainable parameters
         self._active = False  # inside watching() or quiet()
         self._quiet = False  # inside quiet(): compiled passes (Note [compiled regions] in compiled.py)
         self._direct: Optional[contextlib.ExitStack] = None  # watching a forward not called through the engine
@@ -322,6 +323,16 @@ class ParamUse:
             self._reported.add((owner, reader))
             log.info("stage 3: module %r reads the weights of %r outside its forward; they stay gathered "
                      "until the forward of %r ends", reader or "<root>", owner or "<root>", span or "<root>")
+
+    def backward_reads(self, module: nn.Module, unit: Unit, args: Any) -> bool:
+        """Whether the backward of ``module`` can read frozen ``unit``'s weights (Note [frozen units in backward]
+        in ``partition/unit.py``): for an input's gradient, or for a trainable parameter of the module's (an
+        adapter) whose gradient flows through them. A frozen embedding called on token ids needs neither."""
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(args)[0]):
+            return True
+        if unit not in self._trains_inside:
+            self._trains_inside[unit] = any(p.requires_grad for p in module.parameters())
+        return self._trains_inside[unit]
 
     def hold_until_inputs_grad(self, unit: Unit, args: Any) -> None:
         """A frozen unit's weights are read by its backward (for its inputs' gradient) and by nothing after:
