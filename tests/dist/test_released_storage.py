@@ -3,9 +3,9 @@
 On 2 ranks, through the ``deepspeed`` alias where DeepSpeed's tests do the same:
 
 * a weight read where a read can hide (a backward hook, a custom ``autograd.Function``'s backward, a recomputed
-  forward, a forward pre-hook of another module) is served by a gather, and training equals plain PyTorch on
-  the whole batch; the same weight read between passes through an alias taken in the forward is refused by
-  name, never a signal;
+  forward, a forward pre-hook of another module) is served by a gather inside the engine's passes, and training
+  equals plain PyTorch on the whole batch; the same reads made between passes raise ``ParameterAccessError``
+  naming the weight, and so does a read through an alias taken in the forward: never a signal;
 * ``state_dict()`` taken inside ``GatheredParameters`` and read after the block (DeepSpeed's ``TestZeroToFP32``)
   holds the gathered values, at stages 1-3;
 * ``destroy()`` and a second ``initialize`` on the same model (accelerate's ``free_memory()`` then ``prepare``),
@@ -73,6 +73,54 @@ def batch(step: int, rank: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     return (x, y) if rank is None else (x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS])
 
 
+class _ReadsWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, read: object) -> torch.Tensor:  # noqa: ANN001
+        ctx.read = read
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
+        return grad * ctx.read(), None
+
+
+def refused_between_passes(model: HiddenReads) -> dict[str, str]:
+    """The same four places, run between the engine's passes (where nothing may gather: a read on one rank only
+    would hang the others): each read of the released ``b.weight`` raises naming it."""
+    from zeropp.zero import GatheredParameters, ParameterAccessError
+    read = lambda: model.b.weight.sum()  # noqa: E731
+
+    def backward_hook() -> None:
+        t = torch.ones(2, requires_grad=True)
+        u = t * 2
+        u.register_hook(lambda g: g * read())
+        u.sum().backward()
+
+    def function_backward() -> None:
+        _ReadsWeight.apply(torch.ones(2, requires_grad=True), read).sum().backward()
+
+    def recompute() -> None:  # the forward ran while gathered; the backward recomputes it after the release
+        t = torch.ones(2, requires_grad=True)
+        with GatheredParameters([model.b.weight]):
+            u = checkpoint(lambda x: x * model.b.weight.sum(), t, use_reentrant=False)
+        u.sum().backward()
+
+    def pre_hook() -> None:
+        other = nn.Identity()
+        other.register_forward_pre_hook(lambda m, args: (args[0] * read(),))
+        other(torch.ones(2))
+
+    out = {}
+    for name, fn in (("backward_hook", backward_hook), ("function_backward", function_backward),
+                     ("recompute", recompute), ("pre_hook", pre_hook)):
+        try:
+            fn()
+            out[name] = ""
+        except ParameterAccessError as e:
+            out[name] = str(e)
+    return out
+
+
 def hidden_reads(rank: int, where: str) -> dict:
     model = HiddenReads(where)
     engine, *_ = zeropp.initialize(model=model, optimizer=lambda params: torch.optim.AdamW(params, lr=LR), config={
@@ -89,9 +137,10 @@ def hidden_reads(rank: int, where: str) -> dict:
         refused = ""
     except zeropp.zero.ParameterAccessError as e:
         refused = str(e)
+    between = refused_between_passes(model) if where == PLACES[0] else {}
     weights = engine.consolidated_state_dict()
     engine.destroy()
-    return {"losses": losses, "weights": weights, "refused": refused}
+    return {"losses": losses, "weights": weights, "refused": refused, "between": between}
 
 
 def plain_reads(where: str) -> dict:
@@ -201,6 +250,13 @@ def test_a_hidden_read_is_served_in_the_passes_and_refused_by_name_between_them(
         for name, value in want["weights"].items():
             torch.testing.assert_close(got["weights"][name], value, rtol=1e-5, atol=1e-6)
         assert "'b.weight'" in got["refused"] and "after those weights were released" in got["refused"]
+
+
+@pytest.mark.parametrize("where", PLACES)
+def test_the_same_reads_between_passes_raise_naming_the_parameter(where: str) -> None:
+    for res in results():
+        message = res[("reads", PLACES[0])]["between"][where]
+        assert "'b.weight'" in message and "outside the engine's forward and backward" in message, message
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

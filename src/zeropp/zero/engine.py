@@ -784,11 +784,6 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""
         self._publish_masters(Phase.OTHER, self.units)
 
-    @property
-    def in_backward(self) -> bool:
-        """Whether a backward is running (or ran and its step has not finished it yet)."""
-        return self._backward_open
-
     def unpartition(self) -> None:
         """Give the model back whole, hooks removed, and close (Note [leaving the model whole] in ``teardown.py``).
         Collective. ``initialize`` may then be called on the model again."""

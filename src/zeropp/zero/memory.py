@@ -349,7 +349,12 @@ def memory_report(engine: Any) -> dict[str, Any]:
 
 def model_state_bytes(engine: Any) -> dict[str, int]:
     """``engine.model_state_bytes()``: the model-state tensors the rank holds, by kind, measured from the
-    tensors (each storage counted once)."""
+    tensors (each storage counted once). Unseen by torch-function modes: a measurement reads no weights."""
+    with torch._C.DisableTorchFunction():
+        return _model_state_bytes(engine)
+
+
+def _model_state_bytes(engine: Any) -> dict[str, int]:
     seen: set[int] = set()
 
     def size(t: Optional[torch.Tensor]) -> int:

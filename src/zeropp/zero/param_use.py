@@ -410,8 +410,8 @@ class ParamUse:
     def _check_arg(self, func: Any, a: Any, first: bool) -> None:
         hit = self._slot.get(id(a))
         if hit is None:
-            unit = self._released_alias(a)
-            if unit is not None and call_name(func) not in METADATA:  # Note [released storage]
+            unit = self._released_alias(a)  # Note [released storage]; a storage's identity or size is no read
+            if unit is not None and call_name(func) not in METADATA | STORAGE_INFO:
                 self._gather(unit)
             return
         name = call_name(func)

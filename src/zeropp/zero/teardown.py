@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 
 def leave_whole(engine: "ZeroEngine") -> None:
     """Note [leaving the model whole]. Collective."""
-    if engine.in_backward:
-        raise RuntimeError("engine.destroy() inside a backward: finish the step first")
     engine.join_update()
     gathered.gather_from_masters(engine)  # sharded units, as GatheredParameters gathers them (collective)
     with torch._C.DisableTorchFunction(), torch.no_grad():
