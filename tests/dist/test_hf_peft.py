@@ -104,7 +104,12 @@ def sft(out: str, rows: int, zeropp: bool, peft: bool = False) -> list[tuple[flo
     trainer.train()
     if peft:
         trainer.save_model(os.path.join(out, "adapter"))
+        if zeropp:  # the engine's own weights, to compare the saved adapter's logits with
+            _SFT_STATE.append(trainer.engine.consolidated_state_dict())
     return history(trainer)
+
+
+_SFT_STATE: list = []
 
 
 def preferences() -> object:
@@ -171,6 +176,7 @@ def run(rank: int, world: int, root: str) -> dict:
     out["sft"] = sft(os.path.join(root, "sft"), MICRO, zeropp=True)
     out["sft_lora"] = sft(os.path.join(root, "sft_lora"), MICRO, zeropp=True, peft=True)
     out["sft_lora_adapter"] = os.path.join(root, "sft_lora", "adapter")
+    out["sft_lora_state"] = _SFT_STATE.pop() if rank == 0 else None
     out["dpo_lora"] = dpo(os.path.join(root, "dpo_lora"), MICRO, zeropp=True, peft=True)
     out["dpo"] = dpo(os.path.join(root, "dpo"), MICRO, zeropp=True)
     out["dpo_int8"] = dpo(os.path.join(root, "dpo_int8"), MICRO, zeropp=True, plus=True)
@@ -272,6 +278,11 @@ def test_trls_sft_trainer_with_a_lora_adapter_and_checkpointing_matches_trls_own
             logits.append(model(x).logits)
     assert not torch.equal(logits[0], sft_llama().eval()(x).logits)  # the adapter changes the logits
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    from peft import get_peft_model
+    engine_model = get_peft_model(sft_llama(), lora_config())  # the engine's weights, all of them
+    engine_model.load_state_dict(world[0]["sft_lora_state"])
+    with torch.no_grad():
+        assert torch.equal(engine_model.eval()(x).logits, logits[1])
 
 
 def test_trls_dpo_trainer_with_a_lora_policy_matches_trls_own(world: list,

@@ -97,10 +97,12 @@ def enable(model: torch.nn.Module, how: str) -> object:
     """Turn ``how``'s checkpointing on; returns a context for forward and backward (TRL's offloading)."""
     import contextlib
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if how in ("hf_reentrant", "hf_nonreentrant", "trl_offload"):
+    if how in ("hf_reentrant", "trl_offload"):  # transformers' older name, as TRL calls it
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "hf_reentrant"})
         if how == "hf_reentrant":  # what the Trainer does for a model with frozen inputs
             hf.enable_input_require_grads()
+    elif how == "hf_nonreentrant":  # transformers 5's name
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     elif how == "hf_offload":
         import transformers.modeling_utils as mu
         from torch.autograd.graph import save_on_cpu
