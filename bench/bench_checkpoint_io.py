@@ -28,7 +28,8 @@ def payload_of_gpt2() -> tuple[dict, int]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import zeropp
-    from zeropp.checkpoint.engine_io import _params, _shard_payload
+    from zeropp.checkpoint.engine_io import _shard_payload
+    from zeropp.checkpoint.engine_state import engine_params as _params
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config())
     params = sum(p.numel() for p in model.parameters())

@@ -73,7 +73,7 @@ def worker(rank: int, world: int, path: str) -> dict:
     import zeropp
     from support.rss import current_rss, peak_rss, reset_peak_rss
     from zeropp.hf import from_pretrained
-    from zeropp.partition.construction import PARAMS
+    from zeropp.zero.construction import PARAMS
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # a bare training process has Dynamo imported
     gc.collect()
     bare = current_rss()

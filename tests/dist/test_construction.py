@@ -80,7 +80,7 @@ def init_memory(rank: int) -> dict:
     with zeropp.zero.Init():
         model = EqualBlocks()
     peak = peak_rss(reset) - before
-    from zeropp.partition.construction import PARAMS
+    from zeropp.zero.construction import PARAMS
     held = sum(PARAMS.get(p).shard.numel() * 4 for p in model.parameters())
     out = {"peak": peak, "held": held, "block": model.block_bytes(), "shape": tuple(model.blocks[0][0].weight.shape)}
     del model
@@ -146,7 +146,7 @@ def refusals(rank: int) -> dict:
     engine.close()
     # what a Trainer does with the model it is given (.to(args.device)): partitioned parameters stay where they
     # were built; to another device they are refused by name
-    from zeropp.partition.construction import move_model
+    from zeropp.zero.construction import move_model
     with zeropp.zero.Init():
         model = HandNet()
     out["moved_here"] = move_model(model, "cpu") is model and model.blocks[0].mask.device.type == "cpu"
@@ -238,7 +238,7 @@ def init_context_rules(rank: int) -> dict:
         engine.step()
         out["inside"] = bool(torch.isfinite(loss))
         engine.close()
-    from zeropp.partition.construction import PARAMS
+    from zeropp.zero.construction import PARAMS
     try:
         with zeropp.zero.Init():
             Broken()

@@ -99,3 +99,101 @@ def test_the_check_reads_the_real_tree() -> None:
     assert "zeropp.zero.engine" in modules
     names = {n for _, n in _imports(modules["zeropp.zero.engine"], "zeropp.zero.engine")}
     assert "zeropp.zero.buckets.GradBuckets" in names
+
+
+# ---- no cycles ---------------------------------------------------------------------------------------------
+def _typing_only(tree: ast.AST) -> set[int]:
+    """Nodes under ``if TYPE_CHECKING:`` (annotations only: no import at run time)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(id(n) for n in ast.walk(node))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports at run time, at any depth of its body.
+    ``from a.b import c`` is an edge to ``a.b.c`` where that is a module (a package's ``__init__`` that only
+    names its modules is no dependency of theirs), else to ``a.b``."""
+    paths = {module: path for path, module in _sources(*[p.name for p in SRC.iterdir() if p.is_dir()])}
+    paths.update({_module_name(p): p for p in SRC.glob("*.py")})
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        source = path.read_text()
+        tree = ast.parse(source)
+        skip = _typing_only(tree)
+        typing_lines = {n.lineno for n in ast.walk(tree) if id(n) in skip and hasattr(n, "lineno")}
+        deps = set()
+        for line, name in imported_modules(source, module, is_package=path.name == "__init__.py"):
+            if line in typing_lines:
+                continue
+            while name and name not in paths:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])  # zeropp.zero.engine -> zeropp.zero; zeropp.api stays
+
+
+def test_no_module_imports_itself_round_a_cycle() -> None:
+    assert not cycles(import_graph())
+
+
+def test_no_two_packages_import_each_other() -> None:
+    packages: dict[str, set[str]] = {}
+    for module, deps in import_graph().items():
+        packages.setdefault(_package(module), set()).update(_package(d) for d in deps if _package(d) != _package(module))
+    assert not cycles(packages)
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not cycles({"a": {"b"}, "b": set()})
+    graph = import_graph()  # not vacuous: the real tree, with the edges the code has
+    assert "zeropp.zero.buckets" in graph["zeropp.zero.engine"] and len(graph) > 100

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from zeropp.checkpoint.engine_io import rng_as_data
+from zeropp.checkpoint.engine_state import rng_as_data
 from zeropp.checkpoint.format import (
     FORMAT_VERSION, MANIFEST, CheckpointError, atomic_write, atomic_write_text, fsync_dir, list_tags,
     rename_into_place, shard_name,

@@ -27,7 +27,7 @@ import torch
 from zeropp.checkpoint import deepspeed_format as fmt
 from zeropp.checkpoint.collective import agree
 from zeropp.checkpoint.consolidate import FullCheckpoint, load_full_checkpoint
-from zeropp.checkpoint.engine_io import _apply, _Loaded, _Param, _params, _What
+from zeropp.checkpoint.engine_state import Loaded, Param, What, apply_loaded, engine_params
 from zeropp.checkpoint.format import CheckpointError, fsync_dir
 from zeropp.zero.engine import ZeroEngine
 
@@ -35,10 +35,10 @@ _ADAM = ("AdamW", "Adam", "CpuAdam", "UncorrectedAdam")
 
 
 # ---- import ---------------------------------------------------------------------------------------------------
-def load_deepspeed(engine: ZeroEngine, tag_dir: str, what: _What) -> tuple[str, Any]:
+def load_deepspeed(engine: ZeroEngine, tag_dir: str, what: What) -> tuple[str, Any]:
     """Restore ``engine`` from the DeepSpeed tag ``tag_dir``; every rank calls. ``(tag_dir, client_state)``."""
-    params = _params(engine)
-    loaded: Optional[_Loaded] = None
+    params = engine_params(engine)
+    loaded: Optional[Loaded] = None
     error: Optional[BaseException] = None
     try:
         loaded = _to_loaded(engine, params, fmt.read(tag_dir), what)
@@ -48,11 +48,11 @@ def load_deepspeed(engine: ZeroEngine, tag_dir: str, what: _What) -> tuple[str, 
         error = CheckpointError(f"importing DeepSpeed checkpoint {tag_dir}: {type(err).__name__}: {err}")
     agree(engine, error, "importing the DeepSpeed checkpoint", lambda name: os.path.join(tag_dir, name))
     assert loaded is not None
-    _apply(engine, params, loaded, what)
+    apply_loaded(engine, params, loaded, what)
     return tag_dir, loaded.client_state
 
 
-def _match(params: list[_Param], ds: fmt.DsState) -> dict[str, str]:
+def _match(params: list[Param], ds: fmt.DsState) -> dict[str, str]:
     """zeropp parameter name -> the DeepSpeed name holding its values; every mismatch raises, naming it."""
     held = {**ds.params, **ds.frozen}
     out, missing = {}, []
@@ -75,7 +75,7 @@ def _match(params: list[_Param], ds: fmt.DsState) -> dict[str, str]:
     return out
 
 
-def _chunk(full: torch.Tensor, p: _Param, rank: int) -> torch.Tensor:
+def _chunk(full: torch.Tensor, p: Param, rank: int) -> torch.Tensor:
     out = torch.zeros(p.chunk, dtype=torch.float32)
     flat = full.reshape(-1).float()
     start = min(rank * p.chunk, p.numel)
@@ -84,7 +84,7 @@ def _chunk(full: torch.Tensor, p: _Param, rank: int) -> torch.Tensor:
     return out
 
 
-def _to_loaded(engine: ZeroEngine, params: list[_Param], ds: fmt.DsState, what: _What) -> _Loaded:
+def _to_loaded(engine: ZeroEngine, params: list[Param], ds: fmt.DsState, what: What) -> Loaded:
     rank = engine.topo.rank
     names = _match(params, ds)
     held = {**ds.params, **ds.frozen}
@@ -99,11 +99,11 @@ def _to_loaded(engine: ZeroEngine, params: list[_Param], ds: fmt.DsState, what: 
         scaler = engine.loss_scaler.state_dict()
         if ds.loss_scale is not None:
             scaler["scale"] = float(ds.loss_scale.get("cur_scale", scaler["scale"]))
-    return _Loaded(masters, None, optimizer, _scheduler(engine, ds), counters, None, dict(ds.buffers),
+    return Loaded(masters, None, optimizer, _scheduler(engine, ds), counters, None, dict(ds.buffers),
                    ds.client_state, scaler)
 
 
-def _optimizer(engine: ZeroEngine, params: list[_Param], names: dict[str, str], ds: fmt.DsState,
+def _optimizer(engine: ZeroEngine, params: list[Param], names: dict[str, str], ds: fmt.DsState,
                rank: int) -> dict:
     kind = type(engine.master_optimizer).__name__
     if kind not in _ADAM:

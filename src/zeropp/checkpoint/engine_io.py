@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from zeropp._version import __version__
@@ -50,6 +47,8 @@ from zeropp.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, Written, atomic_write, atomic_write_text, check_tag,
     crash_point, fsync_dir, rename_into_place, shard_name, write_error,
 )
+from zeropp.checkpoint.engine_state import (Loaded, Param, What, apply_loaded, engine_buffers, engine_params,
+                                            rng_state)
 from zeropp.checkpoint.manifest import Manifest, read_manifest, seal
 from zeropp.checkpoint.reshard import read_ranges
 from zeropp.checkpoint.safe_io import encode, write_tree
@@ -59,35 +58,6 @@ from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 from zeropp.zero.engine import ZeroEngine
 
 
-@dataclass
-class _Param:
-    """One parameter as the engine holds it on this rank."""
-
-    name: str
-    aliases: list[str]
-    shape: tuple[int, ...]
-    numel: int
-    unit: int
-    chunk: int
-    master: torch.Tensor  # this rank's fp32 master chunk (a fixed view the optimizer steps)
-    grad: torch.Tensor
-    optimizer_index: Optional[int]
-
-
-def _params(engine: ZeroEngine, writing: bool = True) -> list[_Param]:
-    """The engine's parameters; ``writing=False`` (a save) reads a frozen int8 unit's values as copies, where
-    a load gets the views it writes and ``masters_changed`` re-quantizes (``plus/frozen.py``)."""
-    opt_index = {id(t): i for i, t in enumerate(p for g in engine.master_optimizer.param_groups for p in g["params"])}
-    aliases: dict[int, list[str]] = {}
-    for key, t in engine.module.state_dict(keep_vars=True).items():
-        aliases.setdefault(id(t), []).append(key)
-    out = []
-    for u in engine.units:
-        masters = u.master_views() if writing else u.master_values()
-        for slot, master, grad in zip(u.slots, masters, u.grad_views()):
-            out.append(_Param(slot.name, aliases.get(id(slot.param), [slot.name]), tuple(slot.spec.shape),
-                              slot.spec.numel, u.index, slot.spec.chunk, master, grad, opt_index.get(id(master))))
-    return out
 
 
 # Note [stage 0 checkpoints]
@@ -103,53 +73,8 @@ def _sharded(engine: ZeroEngine) -> bool:
     return bool(engine.plan.shards_optimizer)
 
 
-def _buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    """State-dict entries that are not sharded parameters (buffers), as this rank holds them."""
-    params = {id(s.param) for u in engine.units for s in u.slots}
-    return {k: t for k, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in params}
-
-
 # ---- save ------------------------------------------------------------------------------------------------
-def rng_as_data(rng: dict) -> dict:
-    """Random states as tensors and plain numbers (Note [data, not code] in ``safe_io.py``): Python's and NumPy's
-    state tuples (a NumPy array among them) become dicts of tensors; a state already in that form is kept."""
-    out = dict(rng)
-    py, nump = rng.get("python"), rng.get("numpy")
-    if isinstance(py, tuple):
-        version, mt, gauss = py
-        out["python"] = {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss}
-    if isinstance(nump, tuple):
-        kind, keys, pos, has_gauss, cached = nump
-        out["numpy"] = {"kind": kind, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
-                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    return out
-
-
-def _rng_state() -> dict:
-    """This rank's random states (CPU, CUDA, Python, NumPy), as data."""
-    out: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate(),
-                           "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["torch_cuda"] = torch.cuda.get_rng_state_all()
-    return rng_as_data(out)
-
-
-def _set_rng_state(rng: dict) -> None:
-    """Restore what :func:`_rng_state` saved (or a format-2 shard's tuples)."""
-    torch.set_rng_state(rng["torch_cpu"])
-    py, nump = rng["python"], rng["numpy"]
-    if isinstance(py, dict):
-        py = (py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"])
-    random.setstate(py)
-    if isinstance(nump, dict):
-        nump = (nump["kind"], nump["keys"].numpy().astype(np.uint32), nump["pos"], nump["has_gauss"],
-                nump["cached_gaussian"])
-    np.random.set_state(nump)
-    if "torch_cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["torch_cuda"])
-
-
-def _shard_payload(engine: ZeroEngine, params: list[_Param], client_state: Any, nonce: str) -> dict:
+def _shard_payload(engine: ZeroEngine, params: list[Param], client_state: Any, nonce: str) -> dict:
     mid_accumulation = engine.micro_steps % engine.policy.gradient_accumulation_steps != 0
     sched = engine.lr_scheduler
     return {
@@ -167,8 +92,8 @@ def _shard_payload(engine: ZeroEngine, params: list[_Param], client_state: Any, 
                          "state": engine.strategies.reduce.state_dict()},
         # frozen units kept as int8: their exact rows (the fp32 "params" above are their dequantized values)
         "frozen_rows": {str(u.index): u.quantized_state() for u in engine.units if u.quantized_state() is not None},
-        "rng": _rng_state(),
-        "buffers": {k: t.detach() for k, t in _buffers(engine).items()},
+        "rng": rng_state(),
+        "buffers": {k: t.detach() for k, t in engine_buffers(engine).items()},
         "client_state": client_state,
     }
 
@@ -185,7 +110,7 @@ def _config_json(engine: ZeroEngine) -> Any:
         return repr(cfg)
 
 
-def _manifest(engine: ZeroEngine, tag: str, params: list[_Param], shards: list[Written], nonce: str) -> dict:
+def _manifest(engine: ZeroEngine, tag: str, params: list[Param], shards: list[Written], nonce: str) -> dict:
     topo, policy, sched = engine.topo, engine.policy, engine.lr_scheduler
     keys = []
     names_by_alias = {a: p.name for p in params for a in p.aliases}
@@ -234,7 +159,7 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None
     rank, save_dir = engine.topo.rank, os.path.abspath(save_dir)
     nonce = shared_nonce(engine)
     tmp_dir, final = os.path.join(save_dir, f".{tag}.tmp-{nonce}"), os.path.join(save_dir, tag)
-    params = _params(engine, writing=False)
+    params = engine_params(engine, writing=False)
     error: Optional[BaseException] = None
     written: Optional[Written] = None
     path = os.path.join(tmp_dir, shard_name(rank))
@@ -269,7 +194,7 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None
     return final
 
 
-def _publish(engine: ZeroEngine, tag: str, params: list[_Param], shards: list[Written], tmp_dir: str, final: str,
+def _publish(engine: ZeroEngine, tag: str, params: list[Param], shards: list[Written], tmp_dir: str, final: str,
              nonce: str, save_latest: bool) -> None:
     """Rank 0, once every shard is on disk: manifest, then one directory rename, then ``latest``."""
     save_dir = os.path.dirname(final)
@@ -293,24 +218,7 @@ def _publish(engine: ZeroEngine, tag: str, params: list[_Param], shards: list[Wr
 
 
 # ---- load ------------------------------------------------------------------------------------------------
-@dataclass
-class _Loaded:
-    """Everything a rank will write into the engine, read and checked before anything is written."""
-
-    masters: dict[str, torch.Tensor]
-    grads: Optional[dict[str, torch.Tensor]]
-    optimizer: dict
-    scheduler: Optional[dict]
-    counters: dict
-    rng: Optional[dict]
-    buffers: dict[str, torch.Tensor]
-    client_state: Any
-    loss_scaler: Optional[dict] = None  # fp16 only
-    reduce_state: Optional[dict] = None  # as saved, then the reduce strategy's state for this topology
-    frozen_rows: Optional[dict] = None  # same world: the int8 rows of frozen units, by unit index
-
-
-def _reduce_state(engine: ZeroEngine, manifest: Manifest, rank: int, params: list[_Param],
+def _reduce_state(engine: ZeroEngine, manifest: Manifest, rank: int, params: list[Param],
                   own: Optional[dict]) -> Optional[dict]:
     """The reduce strategy's state for this rank, or None when it keeps none. LoCo's kept errors are taken
     as saved on the same topology (``own``: this rank's saved entry, read with its shard), mapped from every
@@ -333,15 +241,15 @@ def _reduce_state(engine: ZeroEngine, manifest: Manifest, rank: int, params: lis
     return {"loco": map_states(states, Shape(*saved[0]["shape"]), shape, rank, sizes, int(states[0]["block"]))}
 
 
-def _read_same_world(manifest: Manifest, rank: int, params: list[_Param]) -> _Loaded:
+def _read_same_world(manifest: Manifest, rank: int, params: list[Param]) -> Loaded:
     shard = open_shard(manifest, rank)
     check_shard_fits(shard, manifest.shard_path(rank), rank, params)
-    return _Loaded(shard["params"], shard.get("grads"), shard["optimizer"], shard.get("scheduler"),
+    return Loaded(shard["params"], shard.get("grads"), shard["optimizer"], shard.get("scheduler"),
                    shard["counters"], shard.get("rng"), shard.get("buffers", {}), shard.get("client_state"),
                    shard.get("loss_scaler"), shard.get("reduce_state"), shard.get("frozen_rows"))
 
 
-def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_optimizer: bool) -> _Loaded:
+def _read_resharded(manifest: Manifest, params: list[Param], rank: int, with_optimizer: bool) -> Loaded:
     """``rank``: the engine's rank among the ranks that cut the state (0 in stage 0's group of one)."""
     check_reshardable(manifest, with_optimizer)
     ranges = {p.name: (rank * p.chunk, p.chunk) for p in params}
@@ -350,51 +258,8 @@ def _read_resharded(manifest: Manifest, params: list[_Param], rank: int, with_op
     state = {p.optimizer_index: got.optimizer[p.name] for p in params
              if p.optimizer_index is not None and p.name in got.optimizer}
     optimizer = {"state": state, "param_groups": head["optimizer_param_groups"]}
-    return _Loaded(got.params, None, optimizer, head.get("scheduler"), head["counters"], None,
+    return Loaded(got.params, None, optimizer, head.get("scheduler"), head["counters"], None,
                    head.get("buffers", {}), head.get("client_state"), head.get("loss_scaler"))
-
-
-def _apply(engine: ZeroEngine, params: list[_Param], loaded: _Loaded, what: "_What") -> None:
-    with torch.no_grad():
-        for p in params:
-            p.master.copy_(loaded.masters[p.name])
-            if loaded.grads is not None and not what.module_only:
-                p.grad.copy_(loaded.grads[p.name])
-            else:
-                p.grad.zero_()
-        live = _buffers(engine)
-        for key, value in loaded.buffers.items():
-            if key in live:
-                live[key].copy_(value)
-    engine.masters_changed()  # recast 16-bit shards, drop hpZ slices, rebuild resident weights (stages 1-2)
-    for u in engine.units:  # same world: the saved int8 bytes themselves, not a re-quantization of their values
-        row = (loaded.frozen_rows or {}).get(str(u.index))
-        held = u.quantized_state()
-        if held is not None and isinstance(row, torch.Tensor) and row.shape == held.shape and row.dtype == held.dtype:
-            u.load_quantized_state(row)
-    if what.module_only:
-        return
-    if loaded.loss_scaler is not None and engine.loss_scaler is not None:
-        engine.loss_scaler.load_state_dict(loaded.loss_scaler)
-    if loaded.reduce_state is not None:
-        engine.strategies.reduce.load_state_dict(loaded.reduce_state)
-    if what.optimizer:
-        engine.master_optimizer.load_state_dict(loaded.optimizer)
-    if what.scheduler and loaded.scheduler is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(loaded.scheduler)
-    engine.micro_steps = int(loaded.counters["micro_steps"])
-    engine.global_steps = int(loaded.counters["global_steps"])
-    if loaded.rng is not None:
-        _set_rng_state(loaded.rng)
-
-
-@dataclass(frozen=True)
-class _What:
-    """Which parts of a checkpoint to restore (DeepSpeed's ``load_*`` switches)."""
-
-    optimizer: bool = True
-    scheduler: bool = True
-    module_only: bool = False
 
 
 def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None,
@@ -411,17 +276,17 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
     weights (and buffers) alone; the optimizer, scheduler, counters and RNG stay as they are. A DeepSpeed ZeRO
     checkpoint (``latest`` and ``global_stepN/*_optim_states.pt``) is imported (``deepspeed_io.py``).
     """
-    what = _What(load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    what = What(load_optimizer_states, load_lr_scheduler_states, load_module_only)
     ds_tag = deepspeed_tag_dir(load_dir, tag)
     if ds_tag is not None:  # DeepSpeed's layout: imported (deepspeed_io.py); it imports this module
         from zeropp.checkpoint.deepspeed_io import load_deepspeed
         return load_deepspeed(engine, ds_tag, what)
-    params = _params(engine)
+    params = engine_params(engine)
     rank = engine.topo.rank
     with_optimizer = what.optimizer and not what.module_only
 
-    def read(tag_dir: str) -> _Loaded:
-        """Everything ``_apply`` will write, read and checked; runs inside the agreement (``agreed_load``)."""
+    def read(tag_dir: str) -> Loaded:
+        """Everything ``apply_loaded`` will write, read and checked; runs inside the agreement (``agreed_load``)."""
         manifest = read_manifest(tag_dir)
         if rank == 0:  # the listing and every file's size, once; each rank checks what it opens itself
             check_files(manifest)
@@ -431,7 +296,7 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
         else:  # buffers, param groups and scalars come from rank 0's file (Note [stage 0 checkpoints])
             shard_rank = rank if _sharded(engine) else 0
             loaded, source = _read_resharded(manifest, params, shard_rank, with_optimizer), manifest.shard_path(0)
-        check_buffers(loaded.buffers, source, _buffers(engine))
+        check_buffers(loaded.buffers, source, engine_buffers(engine))
         if not what.module_only:
             loaded.reduce_state = _reduce_state(engine, manifest, rank, params, loaded.reduce_state)
         else:
@@ -444,7 +309,7 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
     if got is None:
         return None, None
     path, loaded = got
-    _apply(engine, params, loaded, what)
+    apply_loaded(engine, params, loaded, what)
     return path, loaded.client_state
 
 

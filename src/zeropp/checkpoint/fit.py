@@ -23,7 +23,7 @@ _SAME_STATE = {"Adam": "adam", "AdamW": "adam", "CpuAdam": "adam"}
 
 
 class ModelParam(Protocol):
-    """What these checks read of a parameter as the engine holds it (``engine_io._Param``)."""
+    """What these checks read of a parameter as the engine holds it (``engine_state.Param``)."""
 
     name: str
     shape: tuple[int, ...]

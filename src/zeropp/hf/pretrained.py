@@ -5,7 +5,7 @@ straight into each rank's chunks, for models no rank could hold whole.
     engine, *_ = zeropp.initialize(model=model, config="ds_config.json")
 
 The model is built on the meta device (no memory, no random init), and every parameter is partitioned as
-``zero.Init`` partitions it (Note [partitioned at construction] in ``partition/construction.py``), except that
+``zero.Init`` partitions it (Note [partitioned at construction] in ``zero/construction.py``), except that
 each rank reads its own chunk from the file: one seek and one read per parameter
 (``partition/safetensors_chunks.py``), no collective, nothing unpickled. Peak host memory per rank is its chunks
 plus the one being read. Tied weights are read once. Then, as ``transformers.from_pretrained`` does:
@@ -30,7 +30,7 @@ import torch
 import transformers
 from torch import nn
 
-from zeropp.partition.construction import PARAMS, local_device
+from zeropp.zero.construction import PARAMS, local_device
 from zeropp.partition.meta import UninitializedError, rebuild_module
 from zeropp.partition.safetensors_chunks import SafetensorsChunks
 from zeropp.partition.spec import ShardSpec

@@ -33,7 +33,7 @@ from zeropp.config_auto import AutoValues
 from zeropp.hf.adapters import EngineModule, EngineOptimizer, EngineScheduler, PlainModule
 from zeropp.hf.export import save_companions, save_fp32_pretrained
 from zeropp.hf.values import auto_values, check_trainer_owned, trainer_config
-from zeropp.partition.construction import move_model
+from zeropp.zero.construction import move_model
 from zeropp.zero.engine import ZeroEngine
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any]]

@@ -118,7 +118,7 @@ class Unit:
         """Cut each parameter's chunk ``rank`` of ``world`` into the master row and free the full weights.
 
         ``chunks`` gives a parameter's chunk where it does not come from the parameter's own values (rank 0's,
-        or a chunk partitioned at construction: ``partition/values.py``); None entries are cut from the
+        or a chunk partitioned at construction: ``zero/values.py``); None entries are cut from the
         parameter.
         ``keep_shard=False`` (stages 0-2, whose full weights stay resident) keeps no 16-bit shard between
         steps: it is derived from the master when the weights are gathered after an optimizer step. In fp32

@@ -35,9 +35,9 @@ from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition import listeners
 from zeropp.partition.assign import is_leaf, plan_units
-from zeropp.partition.construction import PARAMS
+from zeropp.zero.construction import PARAMS
 from zeropp.partition.meta import MetaMaterializer
-from zeropp.partition.values import Plan, UnitValues, agreed_rng
+from zeropp.zero.values import Plan, UnitValues, agreed_rng
 from zeropp.partition.unit import FrozenUnit, Unit, UnitState, check_requires_grad
 from zeropp.topology import Topology
 from zeropp.zero import gathered
@@ -281,7 +281,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         trainable: Optional[set[int]],
     ) -> tuple[list[Unit], Optional[set[int]]]:
         """Cut every unit's parameters into shards, with the values every rank agrees on (Note [one model at
-        initialize] in ``partition/values.py``); a meta-device model is materialized unit by unit.
+        initialize] in ``zero/values.py``); a meta-device model is materialized unit by unit.
 
         Returns the units and ``trainable`` with meta parameters' ids mapped to their replacements.
         """

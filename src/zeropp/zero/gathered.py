@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from zeropp.comm.ledger import Phase
-from zeropp.partition.construction import PARAMS
+from zeropp.zero.construction import PARAMS
 from zeropp.partition.unit import ParamSlot, Unit, UnitState
 from zeropp.partition.access import ParameterAccessError
 from zeropp.zero.param_use import register_external_parameter

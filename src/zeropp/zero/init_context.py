@@ -3,7 +3,7 @@
 Note [construction under zero.Init]: inside the context every module's ``__init__`` runs as written, on real
 tensors, and when the outermost ``__init__`` of a module returns, the parameters it holds (and any in its
 children not partitioned yet) are partitioned over the ranks from rank 0's values
-(Note [partitioned at construction] in ``partition/construction.py``). So code in ``__init__`` works as without
+(Note [partitioned at construction] in ``zero/construction.py``). So code in ``__init__`` works as without
 the context: hand-written weights, ``.data`` writes, buffers, one module built from another's weights, and
 no rank ever holds more than the module being built in full, plus the shards.
 
@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from zeropp.config import read_json
 from zeropp.partition.access import METADATA, STORAGE_INFO, call_args, call_name, is_noop
-from zeropp.partition.construction import PARAMS, State, local_device
+from zeropp.zero.construction import PARAMS, State, local_device
 from zeropp.topology import ensure_process_group
 from zeropp.zero import gathered, idle_watch
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError

@@ -26,7 +26,7 @@ from torch import nn
 
 from zeropp.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from zeropp.partition import listeners
-from zeropp.partition.construction import PARAMS, State
+from zeropp.zero.construction import PARAMS, State
 from zeropp.partition.unit import UnitState
 from zeropp.zero import param_state as ps
 from zeropp.zero.deepspeed_surface import DeepSpeedAPIError

@@ -5,7 +5,7 @@ different models (other seeds, pretrained weights loaded on rank 0 only, zeros e
 trains is a patchwork of them, and nothing would say so. ``initialize`` therefore agrees first (one small
 all-gather) on how the ranks built the model, and takes the values accordingly, unit by unit:
 
-* parameters partitioned at construction (``zero.Init``, ``partition/construction.py``) already hold rank 0's
+* parameters partitioned at construction (``zero.Init``, ``zero/construction.py``) already hold rank 0's
   values: each rank's chunk is taken as it is;
 * every rank built on the meta device: every rank materializes and initializes each unit from rank 0's
   random state (:func:`agreed_rng`), so all compute the same values and keep their chunk;
@@ -27,7 +27,7 @@ from torch import nn
 
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm
-from zeropp.partition.construction import PARAMS
+from zeropp.zero.construction import PARAMS
 from zeropp.partition.spec import RowLayout, ShardSpec
 
 log = logging.getLogger("zeropp")
