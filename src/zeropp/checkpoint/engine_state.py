@@ -125,7 +125,7 @@ def rng_as_data(rng: dict) -> dict:
 
 def rng_state() -> dict:
     """This rank's random states (CPU, CUDA, Python, NumPy), as data."""
-    out: dict[str, Any] = {"torch_cpu": torch.getrng_state(), "python": random.getstate(),
+    out: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate(),
                            "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["torch_cuda"] = torch.cuda.get_rng_state_all()
