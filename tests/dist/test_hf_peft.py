@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 
 import pytest
@@ -153,6 +154,37 @@ def dpo(out: str, rows: int, zeropp: bool, plus: bool = False, peft: bool = Fals
     return out
 
 
+def reward_length(completions: list, **kwargs: object) -> list[float]:
+    """A Python reward: completions of 8 characters score best."""
+    return [-abs(len(c) - 8) / 8.0 for c in completions]
+
+
+def grpo(out: str) -> dict:
+    """TRL's GRPOTrainer with ZeroppTrainer mixed in, on its defaults (activation checkpointing on), generating
+    with the model's own ``generate`` through what ``accelerator.unwrap_model`` returns."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    from zeropp.hf import ZeroppTrainer
+
+    class ZeroppGRPOTrainer(ZeroppTrainer, GRPOTrainer):
+        pass
+
+    prompts = datasets.Dataset.from_dict({"prompt": ["To be or", "Fair is foul", "Double double", "The quality of"] * 8})
+    args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                      max_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no", use_cpu=True, report_to=[],
+                      disable_tqdm=True, seed=0, bf16=False)
+    assert args.gradient_checkpointing
+    trainer = ZeroppGRPOTrainer(model=sft_llama(), reward_funcs=reward_length, args=args, train_dataset=prompts,
+                                processing_class=char_tokenizer(), zeropp_config=copy.deepcopy(PLAIN))
+    trainer.train()
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"steps": [(h["loss"], float(h["grad_norm"]), h["reward"]) for h in logs],
+            "attributes": {name: getattr(unwrapped, name) == getattr(trainer.engine.module, name)
+                           for name in ("is_gradient_checkpointing", "config", "generation_config", "can_generate")}}
+
+
 def history(trainer: object) -> list[tuple[float, float]]:
     return [(h["loss"], float(h["grad_norm"])) for h in trainer.state.log_history if "loss" in h]  # type: ignore
 
@@ -178,6 +210,7 @@ def run(rank: int, world: int, root: str) -> dict:
     out["sft_lora_adapter"] = os.path.join(root, "sft_lora", "adapter")
     out["sft_lora_state"] = _SFT_STATE.pop() if rank == 0 else None
     out["dpo_lora"] = dpo(os.path.join(root, "dpo_lora"), MICRO, zeropp=True, peft=True)
+    out["grpo"] = grpo(os.path.join(root, "grpo"))
     out["dpo"] = dpo(os.path.join(root, "dpo"), MICRO, zeropp=True)
     out["dpo_int8"] = dpo(os.path.join(root, "dpo_int8"), MICRO, zeropp=True, plus=True)
     return out
@@ -294,6 +327,19 @@ def test_trls_dpo_trainer_with_a_lora_policy_matches_trls_own(world: list,
     for step, (g, w) in enumerate(zip(got, want)):
         assert g[0] == pytest.approx(w[0], rel=1e-5), f"step {step} loss"
         assert g[1] == pytest.approx(w[1], rel=1e-5), f"step {step} grad_norm"
+
+
+def test_trls_grpo_trainer_generates_and_steps_through_the_engine(world: list) -> None:
+    """Online RL's first blocker: TRL read ``is_gradient_checkpointing`` on what ``unwrap_model`` returned (the
+    engine's module), which now answers the model's attributes as the model does."""
+    for res in world:
+        got = res["grpo"]
+        assert all(got["attributes"].values()), got["attributes"]
+        assert len(got["steps"]) == 2
+        for loss, grad_norm, reward in got["steps"]:
+            assert math.isfinite(loss) and math.isfinite(grad_norm) and grad_norm > 0, got["steps"]
+            assert -1.0 <= reward <= 0.0
+    assert all(res["grpo"]["steps"] == world[0]["grpo"]["steps"] for res in world)  # the ranks agree
 
 
 def test_trls_dpo_trainer_partitions_the_reference_and_matches_trls_own(world: list,

@@ -31,6 +31,17 @@ class EngineModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._engine(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """The model's attributes, as trainers read them on what ``accelerator.unwrap_model`` returns
+        (``is_gradient_checkpointing``, ``config``, ``generation_config``, ``generate``)."""
+        try:
+            return super().__getattr__(name)  # parameters, buffers and submodules: `module`
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: the engine owns the gradients (reduced into shards, cleared at each optimizer step)."""
 
