@@ -159,13 +159,23 @@ def reward_length(completions: list, **kwargs: object) -> list[float]:
     return [-abs(len(c) - 8) / 8.0 for c in completions]
 
 
-def grpo(out: str) -> dict:
+def grpo(out: str, gather: bool = True) -> dict:
     """TRL's GRPOTrainer with ZeroppTrainer mixed in, on its defaults (activation checkpointing on), generating
-    with the model's own ``generate`` through what ``accelerator.unwrap_model`` returns."""
+    with the model's own ``generate`` through what ``accelerator.unwrap_model`` returns; ``gather``: TRL's
+    ``ds3_gather_for_generation``. The bytes each ``generate`` call gathered are recorded."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    from zeropp.hf import ZeroppTrainer
+    from zeropp.hf import ZeroppTrainer, adapters
+
+    plain_generate, gathered = adapters.EngineModule.generate, []
+
+    def counted(self: object, *args: object, **kwargs: object) -> object:
+        total = lambda: sum(sum(v.values()) for v in self._engine.ledger.current_report().values())  # noqa: E731
+        before = total()
+        result = plain_generate(self, *args, **kwargs)
+        gathered.append(total() - before)
+        return result
 
     class ZeroppGRPOTrainer(ZeroppTrainer, GRPOTrainer):
         pass
@@ -173,14 +183,19 @@ def grpo(out: str) -> dict:
     prompts = datasets.Dataset.from_dict({"prompt": ["To be or", "Fair is foul", "Double double", "The quality of"] * 8})
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                       max_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no", use_cpu=True, report_to=[],
-                      disable_tqdm=True, seed=0, bf16=False)
+                      disable_tqdm=True, seed=0, bf16=False, ds3_gather_for_generation=gather)
     assert args.gradient_checkpointing
     trainer = ZeroppGRPOTrainer(model=sft_llama(), reward_funcs=reward_length, args=args, train_dataset=prompts,
                                 processing_class=char_tokenizer(), zeropp_config=copy.deepcopy(PLAIN))
-    trainer.train()
+    adapters.EngineModule.generate = counted
+    try:
+        trainer.train()
+    finally:
+        adapters.EngineModule.generate = plain_generate
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"steps": [(h["loss"], float(h["grad_norm"]), h["reward"]) for h in logs],
+    return {"steps": [(h["loss"], float(h["grad_norm"]), h["reward"]) for h in logs], "gathered": gathered,
+            "model_bytes": sum(4 * p.numel() for p in trainer.engine.module.parameters()),
             "attributes": {name: getattr(unwrapped, name) == getattr(trainer.engine.module, name)
                            for name in ("is_gradient_checkpointing", "config", "generation_config", "can_generate")}}
 
@@ -211,6 +226,7 @@ def run(rank: int, world: int, root: str) -> dict:
     out["sft_lora_state"] = _SFT_STATE.pop() if rank == 0 else None
     out["dpo_lora"] = dpo(os.path.join(root, "dpo_lora"), MICRO, zeropp=True, peft=True)
     out["grpo"] = grpo(os.path.join(root, "grpo"))
+    out["grpo_per_token"] = grpo(os.path.join(root, "grpo_per_token"), gather=False)
     out["dpo"] = dpo(os.path.join(root, "dpo"), MICRO, zeropp=True)
     out["dpo_int8"] = dpo(os.path.join(root, "dpo_int8"), MICRO, zeropp=True, plus=True)
     return out
@@ -340,6 +356,19 @@ def test_trls_grpo_trainer_generates_and_steps_through_the_engine(world: list) -
             assert math.isfinite(loss) and math.isfinite(grad_norm) and grad_norm > 0, got["steps"]
             assert -1.0 <= reward <= 0.0
     assert all(res["grpo"]["steps"] == world[0]["grpo"]["steps"] for res in world)  # the ranks agree
+
+
+def test_grpo_honours_ds3_gather_for_generation_under_the_mixin(world: list) -> None:
+    """True (TRL's default): each ``generate`` gathers the model once, about its fp32 bytes less this rank's
+    quarter; False: every new token's forward gathers the units again, several times the bytes. The same
+    generations and steps either way."""
+    for res in world:
+        whole, per_token = res["grpo"], res["grpo_per_token"]
+        assert whole["gathered"] and len(whole["gathered"]) == len(per_token["gathered"])
+        for once, again in zip(whole["gathered"], per_token["gathered"]):
+            assert 0.5 * whole["model_bytes"] <= once <= whole["model_bytes"], (once, whole["model_bytes"])
+            assert again > 3 * once, (again, once)
+        assert whole["steps"] == per_token["steps"]
 
 
 def test_trls_dpo_trainer_partitions_the_reference_and_matches_trls_own(world: list,

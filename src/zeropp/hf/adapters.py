@@ -8,6 +8,7 @@ no-ops, so nothing steps, clips or clears twice.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -23,13 +24,23 @@ class EngineModule(nn.Module):
     The Hugging Face model is registered as ``module``: ``parameters()``, ``train()`` and ``eval()`` reach it.
     """
 
-    def __init__(self, engine: ZeroEngine) -> None:
+    def __init__(self, engine: ZeroEngine, gather_for_generation: bool = True) -> None:
         super().__init__()
         self.module = engine.module
         self.__dict__["_engine"] = engine  # not a child: the model is registered once, as `module`
+        self.gather_for_generation = gather_for_generation
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._engine(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's ``generate``. With ``gather_for_generation`` (TRL's ``ds3_gather_for_generation``, true by
+        default) every unit is gathered once for the whole call (``engine.held_whole()``: collective, so every rank
+        generates together, as TRL's trainers do); without it each forward of each new token gathers the units it
+        runs, as a direct call of the model does (Note [direct calls])."""
+        hold = self._engine.held_whole() if self.gather_for_generation else contextlib.nullcontext()
+        with hold:
+            return self.module.generate(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         """The model's attributes, as trainers read them on what ``accelerator.unwrap_model`` returns

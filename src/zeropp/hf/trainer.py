@@ -164,7 +164,8 @@ class ZeroppTrainer(transformers.Trainer):
             mode = self.args.torch_compile_mode
             engine.compile(self.args.torch_compile_backend or "inductor", {"mode": mode} if mode else {})
         self.engine, self._engine_model = engine, self.model
-        self._engine_module = EngineModule(engine)
+        # TRL's switch for stage 3 (its GRPO and online trainers read it), honoured here as under DeepSpeed
+        self._engine_module = EngineModule(engine, getattr(self.args, "ds3_gather_for_generation", True))
         self.model_wrapped = self._engine_module
         self.optimizer = EngineOptimizer(engine)
         self._schedule(engine, max_steps)
