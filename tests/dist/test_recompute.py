@@ -4,15 +4,19 @@ A LoRA fine-tune with activation checkpointing, TRL's default, killed every rank
 forward read a released frozen weight through a native kernel, because the watches were off for the whole
 backward (Note [watches stay on] in ``zero/idle_watch.py``). Each cell here trains 3 steps and compares its
 losses with the same model, config and batches without checkpointing: plain stage 3 and parameter offload in
-fp32 to 1e-6, ZeRO++ in bf16 (int8 frozen weights) to 1e-3.
+fp32 to 1e-6, ZeRO++ in bf16 (int8 frozen weights) to 1e-3. Beside the matrix, both offloads on NVMe, where
+units keep frozen and trainable parameters together (``MIXED``), to 1e-6.
 
 ``make test`` runs every value of every axis at least once (``CELLS``); the full product of models x
 checkpointing x configs runs with ``pytest -m full_matrix tests/dist/test_recompute.py``.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
+import shutil
+import tempfile
 import types
 
 import pytest
@@ -31,6 +35,10 @@ CONFIGS = {
               "bf16": {"enabled": True}}, 1e-3),
     "offload_param": ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, 1e-6),
 }
+# not an axis of the matrix: both offloads on NVMe, where units keep frozen and trainable parameters together (a
+# gradient record each), which are released as frozen units are (Note [frozen units in backward])
+NVME = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ""},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": ""}}}
 CHECKPOINTING = ["hf_reentrant", "hf_nonreentrant", "hf_offload", "torch_block", "zeropp_cpu", "trl_offload"]
 MODELS = ["lora_llama", "gpt2_frozen", "t5_frozen_encoder"]
 # every value of every axis at least once
@@ -38,6 +46,8 @@ CELLS = [("lora_llama", "hf_reentrant", "plain"), ("lora_llama", "hf_nonreentran
          ("gpt2_frozen", "torch_block", "offload_param"), ("gpt2_frozen", "hf_offload", "plain"),
          ("t5_frozen_encoder", "zeropp_cpu", "plus"), ("lora_llama", "trl_offload", "offload_param")]
 FULL = list(itertools.product(MODELS, CHECKPOINTING, CONFIGS))
+MIXED = [("lora_llama", how, "nvme") for how in ("hf_nonreentrant", "trl_offload")] + \
+    [("gpt2_frozen", "hf_reentrant", "nvme")]
 
 
 def lora_llama() -> torch.nn.Module:
@@ -143,8 +153,13 @@ def run_cell(rank: int, world: int, model_name: str, how: str, config: str) -> l
     model = globals()[model_name]()
     model.train()
     context = enable(model, how) if how != "none" else None
-    cfg = {**CONFIGS[config][0], "train_micro_batch_size_per_gpu": ROWS, "topology": {"ranks_per_node": 2},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    cfg = {**copy.deepcopy(NVME if config == "nvme" else CONFIGS[config][0]), "train_micro_batch_size_per_gpu": ROWS,
+           "topology": {"ranks_per_node": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    scratch = tempfile.mkdtemp(prefix="zeropp-recompute-")
+    for section in ("offload_param", "offload_optimizer"):
+        offload = cfg["zero_optimization"].get(section, {})
+        if offload.get("device") == "nvme":
+            offload["nvme_path"] = scratch
     engine, *_ = zeropp.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                    config=cfg)
     losses = []
@@ -158,6 +173,7 @@ def run_cell(rank: int, world: int, model_name: str, how: str, config: str) -> l
             losses.append(loss.item())
     finally:
         engine.destroy()
+        shutil.rmtree(scratch, ignore_errors=True)
         if how == "zeropp_cpu":
             from zeropp import checkpointing
             checkpointing.reset()
@@ -174,12 +190,12 @@ def cells(rank: int, world: int, chosen: list) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def results(which: str) -> list:
-    return run_world(cells, 4, CELLS if which == "cells" else FULL, ranks_per_node=2)
+    return run_world(cells, 4, {"cells": CELLS + MIXED, "full": FULL}[which], ranks_per_node=2)
 
 
 def _check(cell: tuple, res: list) -> None:
     model, how, config = cell
-    tol = CONFIGS[config][1]
+    tol = 1e-6 if config == "nvme" else CONFIGS[config][1]
     for rank, out in enumerate(res):
         ref, got = out[("none", model, config)], out[(how, model, config)]
         assert len(got) == STEPS and all(map(lambda v: v == v, got)), f"rank {rank}: {got}"
@@ -189,6 +205,11 @@ def _check(cell: tuple, res: list) -> None:
 
 @pytest.mark.parametrize("cell", CELLS, ids=["-".join(c) for c in CELLS])
 def test_recomputed_forward_matches_the_run_without_checkpointing(cell: tuple) -> None:
+    _check(cell, results("cells"))
+
+
+@pytest.mark.parametrize("cell", MIXED, ids=["-".join(c) for c in MIXED])
+def test_units_with_frozen_and_trainable_parameters_stay_for_the_inputs_gradient(cell: tuple) -> None:
     _check(cell, results("cells"))
 
 

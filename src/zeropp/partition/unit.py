@@ -330,7 +330,10 @@ class FrozenUnit(Unit):
     checkpointing died with SIGSEGV. Without recomputation the bytes do not change: one gather per frozen unit
     in forward and one in backward. With it the recomputed forward needs the weights again where the first
     forward's saved tensors would have carried them, so a frozen unit costs what a trainable one costs, one
-    gather per pass; ``bench/bench_recompute_bytes.py`` measures it against DeepSpeed's count.
+    gather per pass; ``bench/bench_recompute_bytes.py`` measures it against DeepSpeed's count. A unit that keeps
+    frozen parameters beside trainable ones (under NVMe optimizer offload, where units stay whole) is released
+    the same way, once its inputs' gradients are in, not as soon as its trainable gradients are: the frozen
+    weights are still read for the inputs' gradient after those.
     """
 
     steps = False

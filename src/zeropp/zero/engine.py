@@ -198,6 +198,9 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         self.hooks: list[RemovableHandle] = []  # on the model and its parameters: removed by destroy()
         self.units, trainable = self._build_units(module, param_init_fn, trainable)
         self._stepped = [u for u in self.units if u.steps]  # units with gradient rows and a step (not frozen)
+        # units with frozen parameters beside trainable ones (NVMe optimizer offload keeps units whole): released
+        # as frozen units are, once their inputs' gradients are in (Note [frozen units in backward])
+        self._mixed = frozenset(u for u in self._stepped if any(not s.trainable for s in u.slots))
         self.kept = KeptUnits(persistent_units(self.units, policy.persistence_threshold,
                                                policy.model_persistence_threshold)
                               if self.plan.shards_weights else frozenset())  # Note [persistent units]
@@ -414,7 +417,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
                 # may have been packed by another library's saved-tensor hooks (Note [frozen units in backward])
                 if unit.needs_grad() or use.backward_reads(module, unit, args):
                     self._hook_outputs_for_backward(unit, output)
-                if not unit.needs_grad():
+                if not unit.needs_grad() or unit in self._mixed:
                     use.hold_until_inputs_grad(unit, args)
             if use.defer(unit):
                 return
@@ -449,7 +452,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
                     self._bucket(unit, index, g)
             else:
                 self._bucket(unit, slot_index, grad)
-            if left == 0 and self.plan.shards_weights:
+            if left == 0 and self.plan.shards_weights and unit not in self._mixed:
                 self._release(unit, Pass.BACKWARD)
         return hook
 
