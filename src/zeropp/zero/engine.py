@@ -522,17 +522,19 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         last = self._last_order[which]
         if position + 1 >= len(last) or last[position] is not self._order[which][position]:
             return
-        nxt = last[position + 1]
+        nxt, current = last[position + 1], last[position]
         ahead = self._inflight.get(nxt)  # started one unit ago: a two-hop gather's first hop
-        # one full gather in flight at most, within stage3_prefetch_bucket_size / stage3_max_live_parameters
-        if ahead is None and nxt.state is UnitState.SHARDED and not self._inflight and \
+        # one full gather in flight at most, within stage3_prefetch_bucket_size / stage3_max_live_parameters; never
+        # the unit being gathered now (a kept unit twice in a row): its shard is let go once it lands
+        if ahead is None and nxt is not current and nxt.state is UnitState.SHARDED and not self._inflight and \
                 self.gathered_weights.admits(nxt, last[position]):
             pending = self._start_gather(nxt, which, optional=True)
             if pending is not None:
                 self._inflight[nxt] = pending
         if position + 2 < len(last):
             after = last[position + 2]
-            if nxt in self._inflight and len(self._inflight) == 1 and after.state is UnitState.SHARDED and \
+            if nxt in self._inflight and len(self._inflight) == 1 and after not in (nxt, current) and \
+                    after.state is UnitState.SHARDED and \
                     self._strategy(which).two_hop(after) and self.gathered_weights.admits(after, last[position], nxt):
                 pending = self._start_gather(after, which, optional=True)
                 if pending is not None:
