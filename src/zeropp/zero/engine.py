@@ -793,6 +793,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         """Give the model back whole, hooks removed, and close (Note [leaving the model whole] in ``teardown.py``).
         Collective. ``initialize`` may then be called on the model again."""
         teardown.leave_whole(self)
+        self.units, self._stepped = [], []  # no longer the model's: it holds its own weights
 
     def close(self) -> None:
         """Wait for a delayed update, delete the NVMe offload files (also done at interpreter exit) and stop

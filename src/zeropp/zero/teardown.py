@@ -39,4 +39,3 @@ def leave_whole(engine: "ZeroEngine") -> None:
     engine.hooks = []
     engine.close()
     gathered.untrack(engine)
-    engine.units, engine._stepped = [], []
