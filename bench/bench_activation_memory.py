@@ -3,7 +3,7 @@
     python bench/bench_activation_memory.py [--layers 8] [--seq 1024] [--batch 4] [--rounds 5]
                                             [--device cpu|cuda] [--out bench/results/activation_memory.json]
 
-The demo GPT (zeropp.demo.model, bf16, ZeRO stage 3, one rank) at a sequence length where activations
+The demo GPT (zeropp.tools.demo.model, bf16, ZeRO stage 3, one rank) at a sequence length where activations
 dominate its memory. Three engines over the same weights: blocks run plainly, through
 ``zeropp.checkpointing.checkpoint``, and through it with ``cpu_checkpointing``, plus a fourth plain one with
 the engine's activation meter switched off (what measuring costs); each round runs one step of each, in
@@ -80,7 +80,7 @@ def _status(key: str) -> int:
 
 def _engine(mode: str, args: Any, device: torch.device) -> Any:
     import zeropp
-    from zeropp.demo.model import GPT, GPTConfig
+    from zeropp.tools.demo.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)

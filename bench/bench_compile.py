@@ -30,7 +30,7 @@ SYSTEMS = ("zeropp_eager", "zeropp_compiled", "fsdp2_eager", "fsdp2_compiled")
 
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:
-    from zeropp.demo.model import GPT, GPTConfig
+    from zeropp.tools.demo.model import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(block_size=args.seq, n_layer=args.layers, n_embd=args.embd, n_head=4))
 
@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch._dynamo.utils import counters
 
-    from zeropp.demo.data import corpus_tokens, get_batch
+    from zeropp.tools.demo.data import corpus_tokens, get_batch
     tokens = corpus_tokens()
     steps = {name: (_zeropp if name.startswith("zeropp") else _fsdp2)(args, name.endswith("compiled"))
              for name in SYSTEMS}

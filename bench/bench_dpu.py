@@ -26,8 +26,8 @@ WARMUP = 3
 
 def worker(rank: int, world: int, steps: int, rounds: int, n_embd: int) -> dict:
     import zeropp
-    from zeropp.demo.data import corpus_tokens, get_batch
-    from zeropp.demo.model import GPT, GPTConfig
+    from zeropp.tools.demo.data import corpus_tokens, get_batch
+    from zeropp.tools.demo.model import GPT, GPTConfig
 
     tokens = corpus_tokens()
     times: dict[str, list[float]] = {"off": [], "on": []}

@@ -29,7 +29,7 @@ CFG = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
 
 
 def _models():  # noqa: ANN202
-    from zeropp.demo.model import GPT, GPTConfig
+    from zeropp.tools.demo.model import GPT, GPTConfig
 
     class ParentReads(GPT):
         """The head is the embedding's weight, read by the parent's forward after wte's forward ended."""

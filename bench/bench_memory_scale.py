@@ -4,7 +4,7 @@
 
 For each model and each rank: the peak rise of RSS over a bare process (torch and zeropp imported, process
 group up; kernel VmHWM), ``engine.memory_report()``'s peak, and the formula: model states + gathered units in
-flight + gradient buckets + activations, from ``zeropp.plan.memory.memory`` (what ``zeropp plan`` predicts).
+flight + gradient buckets + activations, from ``zeropp.tools.plan.memory.memory`` (what ``zeropp plan`` predicts).
 The table row is the rank with the highest RSS.
 
     .venv/bin/python bench/bench_memory_scale.py [--models 0.1B,0.4B,0.55B,1.06B] [--precision fp32|bf16]

@@ -35,8 +35,8 @@ import time
 import torch
 
 import zeropp
-from zeropp.demo.data import corpus_tokens, get_batch
-from zeropp.demo.model import GPT, GPTConfig
+from zeropp.tools.demo.data import corpus_tokens, get_batch
+from zeropp.tools.demo.model import GPT, GPTConfig
 from zeropp.offload.cpu_adam import CpuAdam
 from results_io import write_results
 

@@ -23,7 +23,7 @@ CFG = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
 
 def worker(rank: int, world: int, steps: int) -> tuple[float, str]:
     import zeropp
-    from zeropp.demo.model import GPT, GPTConfig
+    from zeropp.tools.demo.model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, n_layer=6, n_embd=64, n_head=4, vocab_size=512))
     engine = zeropp.initialize(model=model, config=CFG)[0]

@@ -17,7 +17,7 @@ import tempfile
 
 def run(mode: str, steps: int, seed: int, workdir: str) -> dict:
     out = os.path.join(workdir, f"{mode}.json")
-    cmd = [sys.executable, "-m", "zeropp.cli", "train", "--steps", str(steps), "--seed", str(seed),
+    cmd = [sys.executable, "-m", "zeropp.tools.cli", "train", "--steps", str(steps), "--seed", str(seed),
            "--log-every", "50", "--out", out, f"--{'no-' if mode == 'zero3' else ''}zeropp"]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)

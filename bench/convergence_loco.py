@@ -26,7 +26,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 from convergence import final_loss, label_loss_axes  # noqa: E402
 
-from zeropp.job import DEFAULT_CONFIG  # noqa: E402
+from zeropp.tools.job import DEFAULT_CONFIG  # noqa: E402
 
 LOCO = {"err_beta": 0.8, "reset_T": 1024}
 VARIANTS: dict[str, dict] = {
@@ -57,7 +57,7 @@ def run(name: str, args: argparse.Namespace, work: str) -> dict:
     cfg_path, out = os.path.join(work, f"{name}.config.json"), os.path.join(work, f"{name}.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    cmd = [sys.executable, "-m", "zeropp.cli", "train", "--config", cfg_path, "--steps", str(args.steps), "--seed",
+    cmd = [sys.executable, "-m", "zeropp.tools.cli", "train", "--config", cfg_path, "--steps", str(args.steps), "--seed",
            str(args.seed), "--block-size", str(args.seq), "--log-every", "50", "--out", out]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)

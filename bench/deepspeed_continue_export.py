@@ -51,7 +51,7 @@ def _zeropp_rank(rank: int, world: int, out: str) -> None:
 
 def make(out: str) -> None:
     from support.world import run_world
-    from zeropp.checkpoint.deepspeed_io import export_deepspeed
+    from zeropp.deepspeed.checkpoint_io import export_deepspeed
     shutil.rmtree(out, ignore_errors=True)
     run_world(_zeropp_rank, WORLD, out)
     for case in CASES:

@@ -29,11 +29,11 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_io import RESULTS, write_results  # noqa: E402
 
-from zeropp.cluster_bench.catalog import SYSTEMS, ZEROPP_SWITCHES  # noqa: E402
-from zeropp.plan import Choice, demo_gpt, evaluate, from_profile, load_profile  # noqa: E402
-from zeropp.plan.calibrate import calibrate_cluster  # noqa: E402
-from zeropp.plan.ranking import TIE  # noqa: E402
-from zeropp.plan.schedule import Workload  # noqa: E402
+from zeropp.tools.cluster_bench.catalog import SYSTEMS, ZEROPP_SWITCHES  # noqa: E402
+from zeropp.tools.plan import Choice, demo_gpt, evaluate, from_profile, load_profile  # noqa: E402
+from zeropp.tools.plan.calibrate import calibrate_cluster  # noqa: E402
+from zeropp.tools.plan.ranking import TIE  # noqa: E402
+from zeropp.tools.plan.schedule import Workload  # noqa: E402
 
 OURS = list(ZEROPP_SWITCHES)  # zeropp_zero3, zeropp_qwz, zeropp_hpz, zeropp_qgz, zeropp_all
 BANDWIDTHS = "unlimited,1gbit,200mbit,100mbit"
@@ -151,7 +151,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def run_bench(bandwidths: str, steps: int, fast_steps: int, out: str) -> str:
-    cmd = [sys.executable, "-m", "zeropp.cluster_bench.run", "--systems", ",".join(OURS), "--bandwidths",
+    cmd = [sys.executable, "-m", "zeropp.tools.cluster_bench.run", "--systems", ",".join(OURS), "--bandwidths",
            bandwidths, "--steps", str(steps), "--steps-per-bandwidth", f"unlimited={fast_steps},1gbit={fast_steps}",
            "--out", out, "--stem", "plan_check_bench"]
     print("plan_check: " + " ".join(cmd), flush=True)

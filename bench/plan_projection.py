@@ -19,8 +19,8 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_io import RESULTS, write_results  # noqa: E402
 
-from zeropp.plan import Choice, evaluate, gpt_of_size, gpu_cluster, transformer  # noqa: E402
-from zeropp.plan.schedule import Workload  # noqa: E402
+from zeropp.tools.plan import Choice, evaluate, gpt_of_size, gpu_cluster, transformer  # noqa: E402
+from zeropp.tools.plan.schedule import Workload  # noqa: E402
 
 #: Assumptions (one place): V100 achieved TFLOP/s on a GPT's matmuls (40% of the 125 fp16 peak), NVSwitch per
 #: GPU (NCCL's ~150 GB/s bus bandwidth), activation checkpointing and 512-token sequences as in the tutorial.
@@ -95,7 +95,7 @@ def sensitivity() -> list[dict[str, Any]]:
 
 def tutorial_and_memory() -> list[dict[str, Any]]:
     """The tutorial's 18B on 4 x 16 V100 (what the plan ranks first) and the paper's 100B on 64 x 16."""
-    from zeropp.plan import rank
+    from zeropp.tools.plan import rank
 
     out = []
     for label, model, nodes, gbps in (("tutorial: 18B GPT-2, 4 nodes x 16 V100 32 GB, 100 Gbit/s", gpt18b(), 4, 100.0),

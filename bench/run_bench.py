@@ -6,7 +6,7 @@ See ``zeropp bench --help`` and docs/benchmarks.md. The code lives in ``src/zero
 """
 import sys
 
-from zeropp.cluster_bench import main
+from zeropp.tools.cluster_bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

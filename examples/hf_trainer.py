@@ -4,7 +4,7 @@
 
 Four processes play 2 nodes x 2 ranks (the config's ``"topology": {"ranks_per_node": 2}``), so hpZ's secondary
 copy stays inside each simulated node and qwZ/qgZ quantize what crosses between them. Nothing is downloaded:
-the model is built from a ``GPT2Config`` and the data is the Shakespeare corpus shipped in ``zeropp.demo``
+the model is built from a ``GPT2Config`` and the data is the Shakespeare corpus shipped in ``zeropp.tools.demo``
 (bytes as tokens). Writes ``OUT/losses.json`` (the Trainer's log) and ``OUT/model`` (``config.json`` +
 ``model.safetensors``, loadable with ``AutoModelForCausalLM.from_pretrained``); ``--config`` takes your own
 DeepSpeed-style JSON instead of the one below.
@@ -19,7 +19,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import zeropp
-from zeropp.demo.data import ByteTokenizer, CorpusWindows
+from zeropp.tools.demo.data import ByteTokenizer, CorpusWindows
 from zeropp.hf import ZeroppTrainer
 
 # A Hugging Face-style config: "auto" is filled in from the TrainingArguments by ZeroppTrainer.

@@ -1,4 +1,4 @@
-"""``zeropp.initialize``: read the config, build the topology and strategies, wrap the model.
+"""``zeropp.api.build``: read the config, build the topology and strategies, wrap the model.
 
 This is the only place that looks at the stage's and ZeRO++'s switches: it turns them into the strategies
 and policy the engine is handed (see :func:`build_strategies`).
@@ -9,22 +9,22 @@ import datetime
 import inspect
 import os
 import warnings
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from zeropp import checkpointing, crash_report
+from zeropp import crash_report
+from zeropp.activation import checkpointing
 from zeropp import topology as topo_mod
-from zeropp.checkpoint import CheckpointingEngine
 from zeropp.comm.buffers import BufferPools
 from zeropp.comm.gather import AllGather
 from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
 from zeropp.comm.reduce import AllReduceKeepRow, AllReduceMean, AllToAllReduceScatter
-from zeropp.config import ZeroConfig, ZeroppConfig, load_config
-from zeropp.config_auto import AutoValues
+from zeropp.config.schema import ZeroConfig
+from zeropp.config.loader import ZeroppConfig, load_config
+from zeropp.config.auto import AutoValues
 from zeropp.offload.link import build_link
 from zeropp.offload.residency import build_residency
 from zeropp.zero import compiled as compiled_regions
@@ -36,19 +36,11 @@ from zeropp.plus.loco import Loco
 from zeropp.plus.qgz import QuantizedReduce
 from zeropp.plus.qwz import QuantizedGather
 from zeropp.topology import Group
-from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 from zeropp.zero import init_context
-from zeropp.zero.engine import Strategies, TrainPolicy
+from zeropp.config.policy import TrainPolicy
+from zeropp.zero.engine import ZeroEngine
+from zeropp.zero.strategies import Strategies
 from zeropp.zero.loss_scaler import LossScaler
-
-
-class InitResult(NamedTuple):
-    """What :func:`initialize` returns, in DeepSpeed's order."""
-
-    engine: CheckpointingEngine  # a ZeroEngine with save_checkpoint / load_checkpoint / save_16bit_model
-    optimizer: torch.optim.Optimizer
-    training_dataloader: Optional[torch.utils.data.DataLoader]
-    lr_scheduler: Any
 
 
 def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
@@ -134,73 +126,47 @@ def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor
     return cls(groups, **{k: v for k, v in user_opt.defaults.items() if k in accepted})
 
 
-def initialize(
-    args: Any = None,
-    model: Optional[nn.Module] = None,
+def build(
+    model: nn.Module,
+    *,
+    config: Union[str, os.PathLike, dict, ZeroppConfig, None] = None,
     optimizer: Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None] = None,
     model_parameters: Optional[Iterable[torch.Tensor]] = None,
-    training_data: Optional[torch.utils.data.Dataset] = None,
     lr_scheduler: Any = None,
-    distributed_port: Optional[int] = None,
-    mpu: Any = None,
-    dist_init_required: Optional[bool] = None,
-    collate_fn: Optional[Callable] = None,
-    config: Union[str, os.PathLike, dict, ZeroppConfig, None] = None,
-    mesh_param: Any = None,
-    config_params: Optional[dict] = None,
-    *,
     param_init_fn: Optional[Callable[[nn.Module], None]] = None,
-) -> InitResult:
-    """Partition ``model`` over the data-parallel ranks and return ``(engine, optimizer, dataloader, scheduler)``.
+    engine_class: type[ZeroEngine] = ZeroEngine,
+) -> ZeroEngine:
+    """Partition ``model`` over the data-parallel ranks and return the engine that trains it (collective).
 
-    The arguments are DeepSpeed's, in its order, so ``import zeropp as deepspeed`` works for scripts.
+    The native entry point; :func:`zeropp.initialize` takes DeepSpeed's arguments and returns this engine with
+    DeepSpeed's accessors. The engine's optimizer is ``engine.master_optimizer`` and its scheduler
+    ``engine.lr_scheduler``; checkpoints are the functions of :mod:`zeropp.checkpoint`.
 
     Args:
-        args: an argparse namespace; its ``deepspeed_config`` is the config when ``config`` is not given
-            (see :func:`zeropp.add_config_arguments`).
         model: an unchanged ``nn.Module``; its parameters are sharded in place (each rank keeps its chunk).
+        config: a DeepSpeed-style JSON path or dict (or a parsed :class:`ZeroppConfig`). Hugging Face's
+            ``"auto"`` values are resolved from the model and the arguments where they can be
+            (see :mod:`zeropp.config.auto`).
         optimizer: a torch optimizer built over ``model``'s parameters (rebuilt with the same class, groups and
             hyper-parameters over the fp32 master shards), or a callable ``params -> optimizer``; default:
             the config's ``optimizer`` section.
         model_parameters: the parameters to train; others are kept frozen (default: all of them).
-        training_data: a dataset; if given, a loader of ``train_micro_batch_size_per_gpu`` with a
-            distributed sampler (and ``collate_fn``) is returned.
         lr_scheduler: a callable ``optimizer -> scheduler``, or a scheduler built over ``optimizer`` (it is
             moved onto the rebuilt optimizer); default: the config's ``scheduler`` section.
-        distributed_port: the rendezvous port when the environment sets none (torchrun sets it).
-        mpu, mesh_param: model parallelism; not supported (an error says so).
-        dist_init_required: False asserts that the process group already exists.
-        config: a DeepSpeed-style JSON path or dict (``config_params`` is DeepSpeed's older spelling).
-            Hugging Face's ``"auto"`` values are resolved from the model and the arguments where they can
-            be (see :mod:`zeropp.config_auto`).
         param_init_fn: for a model built under ``torch.device("meta")`` (or ``zeropp.zero.Init``): called on
             each module once its parameters exist on the host (default: ``module.reset_parameters()``);
             parameters are created, initialized and sharded a unit at a time, so no rank ever holds the
             whole model.
+        engine_class: the engine's class (a subclass of :class:`ZeroEngine` adds an API over it).
     """
-    if model is None:
-        raise TypeError("initialize: model is required")
     model, compiled_call = compiled_regions.unwrap(model)  # torch.compile(model): names stay the model's
-    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
-        if value is not None:
-            raise DeepSpeedAPIError(f"initialize({name}=...): model parallelism is not implemented by zeropp; "
-                                    "zeropp partitions over data-parallel ranks only")
-    args_config = getattr(args, "deepspeed_config", None) if args is not None else None
-    if args_config is not None and (config is not None or config_params is not None):
-        raise ValueError("initialize: a config was given both as args.deepspeed_config and as config/config_params; "
-                         "give one")
-    source = next((c for c in (config, config_params, args_config) if c is not None), {})
     known = AutoValues(hidden_size=_hidden_size(model), client_optimizer=optimizer is not None,
                        client_scheduler=lr_scheduler is not None)
-    cfg = load_config(source, known)
+    cfg = load_config(config if config is not None else {}, known)
     if "activation_checkpointing" in cfg.model_fields_set:  # the section given: its settings apply (see
         checkpointing.apply_config(cfg)                      # docs/config.md, activation_checkpointing)
     if param_init_fn is None and callable(getattr(model, "_init_weights", None)):
         param_init_fn = model._init_weights  # a Hugging Face model initializes each submodule with this
-    if dist_init_required is False and not dist.is_initialized():
-        raise RuntimeError("initialize(dist_init_required=False): no process group exists yet")
-    if distributed_port is not None:
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
     timeout = datetime.timedelta(seconds=cfg.comm_timeout_s)
     topo_mod.ensure_process_group(timeout=timeout)
     zero = cfg.zero_optimization
@@ -212,27 +178,14 @@ def initialize(
     policy = _train_policy(cfg, batch.gradient_accumulation_steps)
     compute_dtype, offload = policy.compute_dtype, policy.offload_optimizer
     trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
-    named = dict(model.named_parameters())  # masters are named after the parameter they shard
-
-    def make_optimizer(masters: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return _retarget(optimizer, {id(named[name]): t for name, t in masters})
-        # A model with nothing to train (RLHF's frozen reference or reward model, a distillation teacher): one
-        # empty group, so that torch accepts it and step() and checkpoints run and change nothing.
-        tensors: list = [t for _, t in masters] or [{"params": []}]
-        if callable(optimizer):
-            return optimizer(tensors)
-        # A delayed update runs beside the next forward/backward: leave it half the cores.
-        dpu_threads = max(1, torch.get_num_threads() // 2) if policy.delayed_update_after is not None else None
-        return build_optimizer(cfg.optimizer, tensors, host_adam=offload, threads=dpu_threads)
-
+    make_optimizer = _optimizer_factory(optimizer, dict(model.named_parameters()), cfg, policy)
     _mark_leaves(model, zero)
     # NVMe files are created and their space reserved now: a bad path fails before any work
     residency = build_residency(zero, model, topo.world_size if zero.stage >= 1 else 1, compute_dtype, topo.rank)
     try:
         link = build_link(_model_device(model), offload or policy.offload_param, _pin_memory(zero))
-        with init_context.paused():  # initialize inside zero.Init: the engine is not a module being built
-            engine = CheckpointingEngine(
+        with init_context.paused():  # built inside zero.Init: the engine is not a module being built
+            engine = engine_class(
                 model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
                 make_scheduler=_scheduler_factory(lr_scheduler, lambda opt: build_scheduler(cfg.scheduler, opt)),
                 trainable=trainable,
@@ -245,17 +198,30 @@ def initialize(
     except BaseException:
         residency.close()  # no offload file outlives a failed start
         raise
-    if cfg.compile.enabled:  # DeepSpeed's older compile section: compile at initialize
+    if cfg.compile.enabled:  # the config's compile section: compile at the start
         engine.compile(cfg.compile.backend, cfg.compile.kwargs)
     checkpointing.attach(comm)  # partition_activations "node" splits checkpoints over this engine's nodes
-    loader = None
-    if training_data is not None:  # DeepSpeed's loader: micro-batches of this rank's part of each epoch
-        sampler = torch.utils.data.DistributedSampler(
-            training_data, num_replicas=topo.world_size, rank=topo.rank, shuffle=True
-        )
-        loader = torch.utils.data.DataLoader(training_data, batch_size=batch.micro_batch_per_rank, sampler=sampler,
-                                             collate_fn=collate_fn)
-    return InitResult(engine, engine.master_optimizer, loader, engine.lr_scheduler)
+    return engine
+
+
+def _optimizer_factory(optimizer: Any, named: dict[str, nn.Parameter], cfg: ZeroppConfig,
+                       policy: TrainPolicy) -> Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer]:
+    """``masters -> optimizer`` over the fp32 master shards: the caller's optimizer rebuilt, the caller's
+    callable, or the config's section (masters are named after the parameter they shard)."""
+
+    def make_optimizer(masters: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return _retarget(optimizer, {id(named[name]): t for name, t in masters})
+        # A model with nothing to train (RLHF's frozen reference or reward model, a distillation teacher): one
+        # empty group, so that torch accepts it and step() and checkpoints run and change nothing.
+        tensors: list = [t for _, t in masters] or [{"params": []}]
+        if callable(optimizer):
+            return optimizer(tensors)
+        # A delayed update runs beside the next forward/backward: leave it half the cores.
+        dpu_threads = max(1, torch.get_num_threads() // 2) if policy.delayed_update_after is not None else None
+        return build_optimizer(cfg.optimizer, tensors, host_adam=policy.offload_optimizer, threads=dpu_threads)
+
+    return make_optimizer
 
 
 def _mark_leaves(model: nn.Module, zero: ZeroConfig) -> None:

@@ -28,10 +28,9 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from zeropp.config import (
+from zeropp.config.schema import (
     AdamOptimizerConfig,
     AdamParams,
-    NotSupportedError,
     OptimizerConfig,
     SchedulerConfig,
     SGDOptimizerConfig,
@@ -39,6 +38,7 @@ from zeropp.config import (
     WarmupDecayLRConfig,
     WarmupLRConfig,
 )
+from zeropp.config.loader import NotSupportedError
 
 __all__ = [
     "build_optimizer", "build_scheduler", "default_optimizer_config", "WarmupLR", "WarmupDecayLR",
@@ -48,7 +48,7 @@ __all__ = [
 Params = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 # Keys that DeepSpeed reads itself and that torch's constructors do not take.
-_DEEPSPEED_ONLY_KEYS = {"torch_adam", "adam_w_mode", "bias_correction"}
+_NOT_TORCH_KEYS = {"torch_adam", "adam_w_mode", "bias_correction"}
 
 
 # ------------------------------------------------------------------------------------------- optimizers
@@ -78,7 +78,7 @@ def _build_adam(cfg: AdamOptimizerConfig, params: Params, host_adam: bool = Fals
                 threads: int | None = None) -> torch.optim.Optimizer:
     """torch AdamW unless type is Adam with adam_w_mode false (DeepSpeed's rule); `CpuAdam` for offload;
     `UncorrectedAdam` for ``bias_correction: false``."""
-    kwargs = cfg.params.model_dump(exclude=_DEEPSPEED_ONLY_KEYS, exclude_none=True)
+    kwargs = cfg.params.model_dump(exclude=_NOT_TORCH_KEYS, exclude_none=True)
     decoupled = cfg.type == "AdamW" or cfg.params.adam_w_mode
     if not cfg.params.bias_correction:  # amsgrad/maximize with it are refused by config.check_supported
         for key in ("amsgrad", "maximize", "foreach", "fused"):
@@ -158,7 +158,7 @@ def _current_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
     return [float(group.get("initial_lr", group["lr"])) for group in optimizer.param_groups]
 
 
-class _DeepSpeedSchedule(LRScheduler):
+class _ConfigSchedule(LRScheduler):
     """Shared plumbing: `lr_at(i)` is DeepSpeed's lr at `last_batch_iteration == i`."""
 
     def lr_at(self, iteration: int) -> list[float]:
@@ -173,7 +173,7 @@ class _DeepSpeedSchedule(LRScheduler):
         return self.get_lr()
 
 
-class WarmupLR(_DeepSpeedSchedule):
+class WarmupLR(_ConfigSchedule):
     """DeepSpeed's WarmupLR: from `warmup_min_lr` up to `warmup_max_lr` over `warmup_num_steps`, then hold.
 
     `warmup_max_lr=None` uses each group's lr. Fewer than 2 warmup steps are treated as 2 (DeepSpeed does
@@ -225,7 +225,7 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, (self.total_num_steps - iteration) / decay_steps)
 
 
-class WarmupCosineLR(_DeepSpeedSchedule):
+class WarmupCosineLR(_ConfigSchedule):
     """DeepSpeed's WarmupCosineLR: lr = group lr * ratio.
 
     The ratio warms up from `warmup_min_ratio` to 1 over `warmup_num_steps`, then follows half a cosine

@@ -25,7 +25,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "zeropp.cli", "bench", "--ledger-only", "--tiny", "--steps", "1",
+    cmd = [sys.executable, "-m", "zeropp.tools.cli", "bench", "--ledger-only", "--tiny", "--steps", "1",
            "--steps-per-bandwidth", "loopback=2", "--warmup", "1",
            "--systems", ",".join(SYSTEMS), "--bucket-elements", str(BUCKET), "--out", str(out), "--timeout", "100"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=out, env=env)
@@ -107,7 +107,7 @@ def test_four_bit_weights_halve_the_forward_gather(bench: dict) -> None:
 
 def test_slow_link_ratios_of_each_zeropp_variant() -> None:
     """Issue 17's ratios (slow link over unlimited) are reported for ZeRO++ and, when it ran, its 4-bit variant."""
-    from zeropp.cluster_bench.report import targets
+    from zeropp.tools.cluster_bench.report import targets
 
     steps = {("zeropp_all", "unlimited"): 0.8, ("zeropp_all", "200mbit"): 1.2, ("zeropp_all", "100mbit"): 1.8,
              ("zeropp_all_w4", "unlimited"): 0.9, ("zeropp_all_w4", "200mbit"): 0.99,
@@ -142,7 +142,7 @@ def test_report_files(bench: dict) -> None:
 @pytest.mark.parametrize("text, named", [("fast=3", "unknown bandwidth 'fast'"), ("unlimited=0", "'unlimited=0'"),
                                          ("1gbit=x", "'1gbit=x'")])
 def test_steps_per_bandwidth_refuses_bad_items_by_name(text: str, named: str) -> None:
-    from zeropp.cluster_bench.run import parser, steps_per_phase
+    from zeropp.tools.cluster_bench.run import parser, steps_per_phase
 
     args = parser().parse_args(["--steps-per-bandwidth", text])
     with pytest.raises(SystemExit, match="--steps-per-bandwidth") as err:

@@ -22,7 +22,7 @@ from support.ckpt_crash import run_crashing_world
 from support.ckpt_worlds import GB, MICRO_STEPS, N, VARIANTS, crash_run, elastic, first_run, resume
 from support.models import TiedNet, tied_batch
 from support.world import run_world
-from zeropp import cli
+from zeropp.tools import cli
 from zeropp.checkpoint import (
     FORMAT_VERSION, CheckpointError, CheckpointWarning, consolidate, list_tags, load_full_checkpoint,
 )

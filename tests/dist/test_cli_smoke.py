@@ -24,7 +24,7 @@ def _run_cli(tmp: Path, extra: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "zeropp.cli", "train", *TINY, *extra, "--out", str(out)]
+    cmd = [sys.executable, "-m", "zeropp.tools.cli", "train", *TINY, *extra, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp, env=env)
     assert proc.returncode == 0, \
         f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"

@@ -17,8 +17,8 @@ from torch import nn
 import zeropp
 from support.hf_models import gpt2, hf_batch, llama
 from support.world import run_world
-from zeropp.demo.data import corpus_tokens, get_batch
-from zeropp.demo.model import GPT, GPTConfig
+from zeropp.tools.demo.data import corpus_tokens, get_batch
+from zeropp.tools.demo.model import GPT, GPTConfig
 from zeropp.partition.access import ParameterAccessError
 from zeropp.zero.order_check import CollectiveOrderError
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from zeropp import accounting
-from zeropp.demo.model import GPT, GPTConfig
+from zeropp.tools.demo.model import GPT, GPTConfig
 from zeropp.topology import Layout
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "convergence_loco.py"

@@ -20,10 +20,10 @@ import zeropp
 from support.ckpt_handmade import read_raw, write_raw
 from support.ds_reference import ds_batch, ds_loss, make_model
 from support.world import run_world
-from zeropp import cli
+from zeropp.tools import cli
 from zeropp.checkpoint import CheckpointError, load_full_checkpoint
-from zeropp.checkpoint import deepspeed_format as fmt
-from zeropp.checkpoint.deepspeed_io import export_deepspeed
+from zeropp.deepspeed import checkpoint_format as fmt
+from zeropp.deepspeed.checkpoint_io import export_deepspeed
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "deepspeed")
 CASES = ("stage2_fp32", "stage2_bf16", "stage3_fp32", "stage3_bf16")

@@ -563,7 +563,7 @@ def test_the_secondary_partition_is_read_while_current():
 
 
 def test_parameter_attributes_are_views_of_the_partitioned_state():
-    from zeropp.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from zeropp.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     n = sum(p.numel() for p in PairNet().parameters())
     for res in results():
         v = res["views"]

@@ -110,7 +110,7 @@ def _train_cli(tmp: Path, name: str, extra: list[str], kills: str = "") -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", ZEROPP_TEST_KILL=kills, ZEROPP_TEST_KILL_DIR=str(marks))
-    cmd = [sys.executable, "-m", "zeropp.cli", "train", *TINY, *extra, "--checkpoint-dir", str(ckpt),
+    cmd = [sys.executable, "-m", "zeropp.tools.cli", "train", *TINY, *extra, "--checkpoint-dir", str(ckpt),
            "--out", str(tmp / f"{name}.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp, env=env)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -13,8 +13,8 @@ from torch import nn
 
 import zeropp
 from support.world import run_world
-from zeropp.demo.data import corpus_tokens, get_batch
-from zeropp.demo.model import GPT, GPTConfig
+from zeropp.tools.demo.data import corpus_tokens, get_batch
+from zeropp.tools.demo.model import GPT, GPTConfig
 from zeropp.partition.assign import granularities
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "topology": {"ranks_per_node": 2},

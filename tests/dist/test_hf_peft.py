@@ -66,7 +66,7 @@ def char_tokenizer() -> object:
 def text_lines() -> object:
     import datasets
 
-    from zeropp.demo.data import load_corpus
+    from zeropp.tools.demo.data import load_corpus
     lines = [line for line in load_corpus().decode("utf-8", "replace").splitlines() if len(line) > 20][:64]
     return datasets.Dataset.from_dict({"text": lines})
 
@@ -205,7 +205,7 @@ def history(trainer: object) -> list[tuple[float, float]]:
 
 
 def run(rank: int, world: int, root: str) -> dict:
-    from zeropp.demo.data import CorpusWindows
+    from zeropp.tools.demo.data import CorpusWindows
     from zeropp.hf import ZeroppTrainer
     out = {}
     for name, cfg in (("plain", PLAIN), ("plus", PLUS)):
@@ -247,7 +247,7 @@ def reference(root: str) -> list[tuple[float, float]]:
     """The plain Trainer in this process, on the same rows per step (the 4 ranks' micro-batches in one)."""
     import transformers
 
-    from zeropp.demo.data import CorpusWindows
+    from zeropp.tools.demo.data import CorpusWindows
     trainer = transformers.Trainer(model=lora_llama(), args=arguments(root, MICRO * RANKS),
                                    train_dataset=CorpusWindows(32, 256))
     trainer.train()

@@ -36,7 +36,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def _batch() -> torch.Tensor:
-    from zeropp.demo.data import corpus_tokens
+    from zeropp.tools.demo.data import corpus_tokens
     tokens = corpus_tokens()
     return torch.stack([tokens[o: o + BLOCK] for o in (1000, 50_000, 150_000)])
 

@@ -2,7 +2,7 @@
 and trained on 2 nodes x 2 ranks with ZeRO++ and the default config (fp32, no bucket keys). On every rank the
 peak RSS over a bare process is within 1.1x + 0.25 GiB of ``engine.memory_report()``'s peak, and within 1.2x of
 the formula (model states + gathered units in flight + gradient buckets + activations, the planner's
-``zeropp.plan.memory.memory``). tests/support/memory_scale.py has the rank's side; bench/bench_memory_scale.py
+``zeropp.tools.plan.memory.memory``). tests/support/memory_scale.py has the rank's side; bench/bench_memory_scale.py
 runs the same at 0.5B and 1.1B."""
 from __future__ import annotations
 

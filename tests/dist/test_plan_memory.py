@@ -16,8 +16,8 @@ import zeropp
 from support.models import TiedNet, rank_slice, tied_batch
 from support.train import ADAMW
 from support.world import run_world
-from zeropp.plan.choices import Choice, config_json
-from zeropp.plan.memory import KINDS, model_states
+from zeropp.tools.plan.choices import Choice, config_json
+from zeropp.tools.plan.memory import KINDS, model_states
 
 WORLD, PER_NODE, GB = 4, 2, 8
 CASES = {

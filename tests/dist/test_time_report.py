@@ -15,8 +15,8 @@ import torch
 
 import zeropp
 from support.world import run_world
-from zeropp.demo.data import corpus_tokens, get_batch
-from zeropp.demo.model import GPT, GPTConfig
+from zeropp.tools.demo.data import corpus_tokens, get_batch
+from zeropp.tools.demo.model import GPT, GPTConfig
 
 STEPS = 6  # the first includes the first traces and is not checked
 ZERO_PP = {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,

@@ -20,7 +20,7 @@ from zeropp.comm.buffers import BufferPool
 from zeropp.comm.gather import WorldRoute
 from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
-from zeropp.demo.model import GPT, GPTConfig
+from zeropp.tools.demo.model import GPT, GPTConfig
 from zeropp.topology import build
 
 ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": None, "zero_quantized_gradients": True}

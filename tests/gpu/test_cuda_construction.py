@@ -12,7 +12,7 @@ import zeropp
 from support.hf_models import hf_batch, hf_loss, llama
 from support.models import TiedNet, tied_batch
 from support.train import config
-from zeropp.compat.deepspeed import utils as ds_utils
+from zeropp.deepspeed import utils as ds_utils
 
 GB = 8
 DEVICE = torch.device("cuda", 0)

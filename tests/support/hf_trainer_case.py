@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from support.train import error_of
-from zeropp.demo.data import CorpusWindows
+from zeropp.tools.demo.data import CorpusWindows
 
 STEPS, SAVE_AT, MICRO, GAS, BLOCK = 6, 3, 2, 2, 32
 LR = 3e-3

@@ -1,7 +1,7 @@
 """A transformers Llama built under ``zero.Init`` and trained on 2 nodes x 2 ranks with ZeRO++ and the default
 buffers (no bucket keys): each rank's peak RSS over a bare process, next to ``engine.memory_report()``'s peak
 and to the planner's formula (model states + gathered units in flight + gradient buckets + activations,
-``zeropp.plan.memory.memory``). Used by tests/dist/test_memory_scale.py (100M parameters) and
+``zeropp.tools.plan.memory.memory``). Used by tests/dist/test_memory_scale.py (100M parameters) and
 bench/bench_memory_scale.py (0.1B to 1.06B).
 
 Run it with glibc's mmap threshold fixed (``support.rss.MALLOC_ENV``): otherwise freed multi-MB tensors stay
@@ -63,9 +63,9 @@ def train_memory(rank: int, world: int, size: dict, micro: int, seq: int, steps:
     import zeropp
     from support.rss import current_rss, peak_rss, reset_peak_rss
     from transformers import LlamaForCausalLM
-    from zeropp.plan.choices import Choice
-    from zeropp.plan.memory import memory
-    from zeropp.plan.model import from_module
+    from zeropp.tools.plan.choices import Choice
+    from zeropp.tools.plan.memory import memory
+    from zeropp.tools.plan.model import from_module
 
     shape = Size(**size)
     cfg = config(micro, bf16, None if nvme is None else os.path.join(nvme, str(rank)))

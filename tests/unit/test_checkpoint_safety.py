@@ -17,10 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from support.ckpt_handmade import full_state, make_checkpoint, read_raw, write_raw
-from zeropp import cli
-from zeropp.checkpoint import (
-    CheckpointError, deepspeed_format, get_fp32_state_dict_from_zero_checkpoint, load_full_checkpoint, verify_report,
-)
+from zeropp.tools import cli
+from zeropp.checkpoint import CheckpointError, load_full_checkpoint, verify_report
+from zeropp.deepspeed import checkpoint_format as deepspeed_format
+from zeropp.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zeropp.checkpoint.format import LATEST, MANIFEST, LegacyPickleError, sha256_file, shard_name
 from zeropp.checkpoint.safe_io import UnstorableError, decode, encode, read_tree, write_tree
 

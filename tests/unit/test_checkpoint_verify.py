@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from support.ckpt_handmade import full_state, make_checkpoint, read_raw, to_version_1, write_raw
-from zeropp import cli
+from zeropp.tools import cli
 from zeropp.checkpoint import (
     CheckpointError, CheckpointWarning, IntegrityError, load_full_checkpoint, verify_checkpoint, verify_report,
 )

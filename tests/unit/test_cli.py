@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zeropp import cli, job
+from zeropp.tools import cli, job
 from zeropp.config import load_config
 
 ZEROPP_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
@@ -103,7 +103,7 @@ def test_errors_every_rank_would_meet_are_printed_once(tmp_path: Path, zero: dic
     """The real command, as a user runs it: one line on stderr naming the key, exit status 2, nothing started."""
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}))
-    proc = subprocess.run([sys.executable, "-m", "zeropp.cli", "train", "--config", str(cfg), "--steps", "1"],
+    proc = subprocess.run([sys.executable, "-m", "zeropp.tools.cli", "train", "--config", str(cfg), "--steps", "1"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]

@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from zeropp.config import (
+from zeropp.config.loader import (
     NOT_SUPPORTED,
     BatchPlan,
     ConfigError,
     NotSupportedError,
-    ZeroConfig,
     ZeroppConfig,
     check_supported,
     load_config,
     parse_config,
 )
-from zeropp.config_models import UNION_TAGS
+from zeropp.config.schema import ZeroConfig
+from zeropp.config.schema import UNION_TAGS
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

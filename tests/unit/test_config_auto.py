@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from zeropp.config import ConfigError, load_config
-from zeropp.config_auto import AutoValues, auto_paths, resolve_auto
+from zeropp.config.auto import AutoValues, auto_paths, resolve_auto
 
 HF_STAGE3 = {  # the shape of transformers' tests/deepspeed/ds_config_zero3.json
     "fp16": {"enabled": "auto"},

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.config import ConfigError, ConfigWarning, load_config
-from zeropp.config_auto import AutoValues
+from zeropp.config.auto import AutoValues
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "configs"
 SEED, CASES, TEXT_CASES = 20261123, 1200, 200

@@ -1,4 +1,4 @@
-"""DeepSpeed's deprecated spellings and the keys DeepSpeed does not read (zeropp.config_legacy)."""
+"""DeepSpeed's deprecated spellings and the keys DeepSpeed does not read (zeropp.config.legacy)."""
 from __future__ import annotations
 
 import warnings

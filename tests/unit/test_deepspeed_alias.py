@@ -9,8 +9,8 @@ import types
 import pytest
 
 import zeropp
-from zeropp.compat import DeepSpeedAliasError, uninstall_deepspeed_alias
-from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
+from zeropp.deepspeed.alias import DeepSpeedAliasError, uninstall_deepspeed_alias
+from zeropp.deepspeed.missing import DeepSpeedAPIError
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_uninstall_takes_every_name_away(alias):
 def test_deepspeeds_comm_is_provided_and_works_without_a_process_group(alias):
     import deepspeed
     from deepspeed.comm import ReduceOp, get_rank, get_world_size, log_summary, reset_log
-    assert deepspeed.comm.__name__ == "zeropp.compat.deepspeed.comm" and ReduceOp.SUM is not None
+    assert deepspeed.comm.__name__ == "zeropp.deepspeed.comm" and ReduceOp.SUM is not None
     assert (get_rank(), get_world_size()) == (0, 1)  # as DeepSpeed's, before any group exists
     reset_log()
     assert log_summary(return_dict=True) == {} and log_summary() is None
@@ -73,7 +73,7 @@ def test_deepspeeds_comm_is_provided_and_works_without_a_process_group(alias):
 
 def test_import_zeropp_as_deepspeed_reaches_the_subpackages():
     import zeropp as deepspeed
-    assert deepspeed.utils.safe_get_full_fp32_param.__module__ == "zeropp.compat.deepspeed.utils"
+    assert deepspeed.utils.safe_get_full_fp32_param.__module__ == "zeropp.deepspeed.utils"
     assert deepspeed.runtime.zero.ZeroParamStatus.AVAILABLE.value == 1
     with pytest.raises(DeepSpeedAPIError, match="deepspeed.moe"):
         deepspeed.moe  # noqa: B018

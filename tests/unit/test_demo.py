@@ -1,4 +1,4 @@
-"""Tests for zeropp.demo: the small GPT, the shipped corpus and the batcher."""
+"""Tests for zeropp.tools.demo: the small GPT, the shipped corpus and the batcher."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from zeropp.demo import GPT, ByteTokenizer, GPTConfig, corpus_tokens, get_batch, load_corpus
-from zeropp.demo.data import train_val_split
+from zeropp.tools.demo import GPT, ByteTokenizer, GPTConfig, corpus_tokens, get_batch, load_corpus
+from zeropp.tools.demo.data import train_val_split
 
 SMALL = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 

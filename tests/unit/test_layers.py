@@ -197,3 +197,63 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     assert not cycles({"a": {"b"}, "b": set()})
     graph = import_graph()  # not vacuous: the real tree, with the edges the code has
     assert "zeropp.zero.buckets" in graph["zeropp.zero.engine"] and len(graph) > 100
+
+
+# ---- DeepSpeed's vocabulary stays in zeropp/deepspeed -----------------------------------------------------
+#: modules outside zeropp/deepspeed whose code may name DeepSpeed, and why (docstrings, comments, messages and
+#: config keys, which are strings, may name it anywhere)
+DEEPSPEED_NAMES_ALLOWED = {
+    "zeropp": "the root exports DeepSpeed's module API (import zeropp as deepspeed) and the alias installer",
+    "zeropp.tools.cli": "the export-deepspeed command calls the layer's exporter",
+    "zeropp.tools.cluster_bench.systems": "the benchmark runs real DeepSpeed as a peer",
+    "zeropp.tools.cluster_bench.run": "the benchmark runs real DeepSpeed as a peer",
+    "zeropp.hf.trainer": "the Trainer detects TrainingArguments.deepspeed",
+}
+
+
+def deepspeed_names(source: str) -> list[tuple[int, str]]:
+    """``(line, name)`` of every identifier (not string or comment) that contains "deepspeed", any case."""
+    import io
+    import tokenize
+    return [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.NAME and "deepspeed" in tok.string.lower()]
+
+
+def test_deepspeed_names_live_in_the_deepspeed_package() -> None:
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module_name(path)
+        if module == "zeropp.deepspeed" or module.startswith("zeropp.deepspeed.") or module in DEEPSPEED_NAMES_ALLOWED:
+            continue
+        found += [f"{path.relative_to(SRC.parent)}:{line} {name}" for line, name in deepspeed_names(path.read_text())]
+    assert not found, "DeepSpeed's names belong in zeropp/deepspeed/:\n" + "\n".join(found)
+
+
+def test_the_name_check_sees_identifiers_only() -> None:
+    snippet = ('"""DeepSpeed\'s behaviour."""\nfrom zeropp.deepspeed import x  # deepspeed\n'
+               'msg = "zero_optimization: as DeepSpeed reads it"\nDeepSpeedThing = is_deepspeed_on()\n')
+    assert deepspeed_names(snippet) == [(2, "deepspeed"), (4, "DeepSpeedThing"), (4, "is_deepspeed_on")]
+    allowed = {m for m in DEEPSPEED_NAMES_ALLOWED if m != "zeropp"}  # not vacuous: each names a real module
+    assert all((SRC.parent / (m.replace(".", "/") + ".py")).exists() for m in allowed)
+
+
+# ---- sizes ------------------------------------------------------------------------------------------------
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_module_is_over_800_lines() -> None:
+    long = {str(p.relative_to(SRC.parent)): n for p in SRC.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these modules (over {MAX_MODULE_LINES} lines): {long}"
+
+
+def test_no_function_is_over_80_lines() -> None:
+    long = {}
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(SRC.parent)}:{node.lineno} {node.name}"] = n
+    assert not long, f"split these functions (over {MAX_FUNCTION_LINES} lines): {long}"

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from zeropp import accounting, cli
+from zeropp import accounting
+from zeropp.tools import cli
 from zeropp.config import load_config
-from zeropp.plan import (Choice, PlanError, Workload, demo_gpt, evaluate, gpt_of_size, gpu_cluster, load_profile,
+from zeropp.tools.plan import (Choice, PlanError, Workload, demo_gpt, evaluate, gpt_of_size, gpu_cluster, load_profile,
                          rank, step_time)
-from zeropp.plan import collectives as coll
-from zeropp.plan.memory import activation_bytes, model_states
-from zeropp.plan.profile import FORMAT, Fit, InterLink, Profile
+from zeropp.tools.plan import collectives as coll
+from zeropp.tools.plan.memory import activation_bytes, model_states
+from zeropp.tools.plan.profile import FORMAT, Fit, InterLink, Profile
 from zeropp.topology import Layout
 
 MODEL = demo_gpt(2, 64, 4, 32)
@@ -211,7 +212,7 @@ def test_profile_round_trips_and_a_shaped_link_slows_the_step(tmp_path: Path) ->
     sample_profile().save(str(path))
     loaded = load_profile(str(path))
     assert loaded == sample_profile() and json.loads(path.read_text())["format"] == FORMAT
-    from zeropp.plan import from_profile
+    from zeropp.tools.plan import from_profile
 
     fast = step_time(MODEL, Choice(3), from_profile(loaded, 2, 2, 1.0, link_label="unlimited"), ONE_BUCKET)
     slow = step_time(MODEL, Choice(3), from_profile(loaded, 2, 2, 1.0, link_label="200mbit"), ONE_BUCKET)
@@ -220,7 +221,7 @@ def test_profile_round_trips_and_a_shaped_link_slows_the_step(tmp_path: Path) ->
 
 
 def test_calibration_turns_timings_into_alpha_beta_and_wire_efficiency() -> None:
-    from zeropp.plan.calibrate import build_profile
+    from zeropp.tools.plan.calibrate import build_profile
 
     # 2 x 2 ranks, a 4 MiB row per rank: a ring all-gather receives 3 rows and puts 3 rows on each node's link;
     # at 0.2 Gbit/s (25 MB/s) that is 0.503 s of wire, measured as 0.6 s + 1 ms of alpha: efficiency 0.839
@@ -242,7 +243,7 @@ def test_a_shaped_link_times_every_pattern_at_the_streaming_efficiency() -> None
     values kept in the profile; a profile without the all-gather keeps each pattern's own."""
     from dataclasses import replace
 
-    from zeropp.plan import from_profile
+    from zeropp.tools.plan import from_profile
 
     base = sample_profile()
 
@@ -267,7 +268,7 @@ def plan_hardware(*argv: str):
     """The Hardware ``zeropp plan`` would time, from its command line (the same parser and resolution)."""
     import argparse
 
-    from zeropp.plan.cli import _hardware, add_arguments
+    from zeropp.tools.plan.cli import _hardware, add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -275,7 +276,7 @@ def plan_hardware(*argv: str):
 
 
 def test_a_gpu_and_a_fabric_preset_fill_the_hardware() -> None:
-    from zeropp.plan import GPU_DEFAULTS
+    from zeropp.tools.plan import GPU_DEFAULTS
 
     hw = plan_hardware("--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100", "--fabric", "ib-ndr")
     assert hw.flops == pytest.approx(0.45 * 989.4e12)  # 45% of the dense bf16 peak
@@ -303,7 +304,7 @@ def test_explicit_options_win_over_the_presets() -> None:
 
 
 def test_the_docs_preset_table_is_the_codes() -> None:
-    from zeropp.plan import GPUS
+    from zeropp.tools.plan import GPUS
 
     doc = (Path(__file__).parents[2] / "docs" / "plan.md").read_text()
     rows = {cells[0].strip("` "): cells for line in doc.splitlines() if line.startswith("| `")

@@ -6,20 +6,19 @@
 
 The format and its crash safety are described in ``format.py`` (Notes [checkpoint atomicity] and [checkpoint
 verification]); ``verify_checkpoint(dir)`` (``zeropp verify-checkpoint``) checks a tag without a process
-group; what a shard holds and how it re-shards in ``engine_io.py``, which also defines ``CheckpointingEngine``
-(the engine ``initialize`` returns: ``ZeroEngine`` plus these methods; ``zeropp.zero`` never imports this
-package); see also docs/checkpoints.md.
+group; what a shard holds and how it re-shards in ``engine_io.py``: functions over an engine, which the engine's
+methods call (``zeropp.zero`` never imports this package); see also docs/checkpoints.md.
 """
 from zeropp.checkpoint.consolidate import (
-    FullCheckpoint, consolidate, get_fp32_state_dict_from_zero_checkpoint, load_full_checkpoint, write_state_dict,
+    FullCheckpoint, consolidate, load_full_checkpoint, write_state_dict,
 )
-from zeropp.checkpoint.engine_io import CheckpointingEngine, load_checkpoint, save_16bit_model, save_checkpoint
+from zeropp.checkpoint.engine_io import load_checkpoint, save_16bit_model, save_checkpoint
 from zeropp.checkpoint.format import FORMAT_VERSION, CheckpointError, CheckpointWarning, IntegrityError, list_tags
 from zeropp.checkpoint.verify import VerifyReport, verify_checkpoint, verify_report
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "save_16bit_model", "consolidate", "load_full_checkpoint",
-    "get_fp32_state_dict_from_zero_checkpoint", "write_state_dict", "FullCheckpoint", "CheckpointError",
-    "IntegrityError", "CheckpointWarning", "FORMAT_VERSION", "list_tags", "CheckpointingEngine",
+    "write_state_dict", "FullCheckpoint", "CheckpointError",
+    "IntegrityError", "CheckpointWarning", "FORMAT_VERSION", "list_tags",
     "verify_checkpoint", "verify_report", "VerifyReport",
 ]

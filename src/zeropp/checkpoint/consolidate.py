@@ -71,21 +71,6 @@ def _read_full(tag_dir: str, with_optimizer: bool) -> FullCheckpoint:
     return FullCheckpoint(state, optimizer, manifest, got.rank0.get("client_state"), got.rank0)
 
 
-def get_fp32_state_dict_from_zero_checkpoint(ckpt_dir: str, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict of a zeropp checkpoint, or of a DeepSpeed ZeRO checkpoint (what DeepSpeed's
-    ``zero_to_fp32`` gives: the fp32 masters, tied aliases, frozen parameters and buffers), by DeepSpeed's name."""
-    from zeropp.checkpoint import deepspeed_format
-
-    ds_tag = deepspeed_format.deepspeed_tag_dir(ckpt_dir, tag)
-    if ds_tag is None:
-        return load_full_checkpoint(ckpt_dir, tag).state_dict
-    ds = deepspeed_format.read(ds_tag)
-    state = {**ds.params, **ds.frozen}
-    state.update({alias: state[name] for alias, name in ds.shared.items() if name in state})
-    state.update({k: (v.float() if v.is_floating_point() else v) for k, v in ds.buffers.items()})
-    return state
-
-
 def write_state_dict(state: dict[str, torch.Tensor], out_path: str) -> str:
     """Write ``state`` atomically (temporary file, fsync, rename): safetensors or a torch file by extension."""
     out_path = os.path.abspath(out_path)

@@ -1,7 +1,7 @@
 """Save and load an engine's training state (stages 0-3): one shard file per rank plus rank 0's manifest.
 
-Called through :class:`CheckpointingEngine` (the engine ``zeropp.initialize`` returns: ``ZeroEngine``
-plus ``save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``); every rank must call them together.
+Functions over an engine (the engine's ``save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model`` call
+them); every rank must call them together.
 The dependency runs one way: this module reads the state ``ZeroEngine`` exposes, and ``zeropp.zero`` never
 imports ``zeropp.checkpoint`` (tests/unit/test_layers.py). The directory layout and the atomicity argument
 are in ``format.py`` (Note [checkpoint atomicity]).
@@ -42,7 +42,6 @@ from zeropp.checkpoint.collective import agree, agreed_load, shared_nonce, writt
 from zeropp.checkpoint.fit import (
     check_buffers, check_model, check_param_groups, check_reshardable, check_shard_fits,
 )
-from zeropp.checkpoint.deepspeed_format import deepspeed_tag_dir
 from zeropp.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, Written, atomic_write, atomic_write_text, check_tag,
     crash_point, fsync_dir, rename_into_place, shard_name, write_error,
@@ -54,7 +53,6 @@ from zeropp.checkpoint.reshard import read_ranges
 from zeropp.checkpoint.safe_io import encode, write_tree
 from zeropp.checkpoint.verify import check_files, open_shard
 from zeropp.plus.loco import Shape, map_states
-from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
 from zeropp.zero.engine import ZeroEngine
 
 
@@ -153,8 +151,14 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None
 
     See Note [checkpoint atomicity] in ``format.py`` for why a crash never damages an earlier tag, and why a
     failed write (a full disk) fails the save on every rank and leaves the earlier tags and ``latest`` as
-    they were.
+    they were. Every rank calls it.
     """
+    engine.join_update()
+    with engine.residency.resident(engine.units, dirty=False):  # NVMe: the rank's whole state, read back
+        return _save(engine, save_dir, tag, client_state, save_latest)
+
+
+def _save(engine: ZeroEngine, save_dir: str, tag: Optional[str], client_state: Any, save_latest: bool) -> str:
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     rank, save_dir = engine.topo.rank, os.path.abspath(save_dir)
     nonce = shared_nonce(engine)
@@ -273,14 +277,15 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
     idiom). An explicit tag never falls back. Everything is read and verified before the engine is
     touched: on any error, on any rank, every rank raises and the engine is unchanged. Client state: each
     rank gets its own on the same world size, rank 0's otherwise. ``load_module_only`` restores the
-    weights (and buffers) alone; the optimizer, scheduler, counters and RNG stay as they are. A DeepSpeed ZeRO
-    checkpoint (``latest`` and ``global_stepN/*_optim_states.pt``) is imported (``deepspeed_io.py``).
+    weights (and buffers) alone; the optimizer, scheduler, counters and RNG stay as they are.
     """
     what = What(load_optimizer_states, load_lr_scheduler_states, load_module_only)
-    ds_tag = deepspeed_tag_dir(load_dir, tag)
-    if ds_tag is not None:  # DeepSpeed's layout: imported (deepspeed_io.py); it imports this module
-        from zeropp.checkpoint.deepspeed_io import load_deepspeed
-        return load_deepspeed(engine, ds_tag, what)
+    engine.join_update()
+    with engine.residency.resident(engine.units):  # NVMe: in memory while loading, written back after
+        return _load(engine, load_dir, tag, what)
+
+
+def _load(engine: ZeroEngine, load_dir: str, tag: Optional[str], what: What) -> tuple[Optional[str], Any]:
     params = engine_params(engine)
     rank = engine.topo.rank
     with_optimizer = what.optimizer and not what.module_only
@@ -334,47 +339,3 @@ def save_16bit_model(engine: ZeroEngine, save_dir: str, save_filename: str = "py
             error = err
     agree(engine, error, "saving the 16-bit model", lambda name: out)
     return out
-
-
-# ---- the engine initialize returns ------------------------------------------------------------------------
-class CheckpointingEngine(ZeroEngine):
-    """:class:`ZeroEngine` with DeepSpeed's checkpoint methods; what :func:`zeropp.initialize` returns.
-
-    A subclass here rather than methods on ``ZeroEngine`` so that the engine never imports this package:
-    the training state machine exposes its state, and checkpoint code, one layer up the import graph, reads
-    and writes it. Each method is collective (every rank calls it) and prepares the engine (a delayed
-    update joined, NVMe-offloaded states brought into memory) before calling the functions above.
-    """
-
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Any = None,
-                        save_latest: bool = True) -> str:
-        """Write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step{N}``); every rank calls.
-
-        Returns the tag directory; ``save_dir/latest`` names it once every rank's shard is on disk.
-        """
-        self.join_update()
-        with self.residency.resident(self.units, dirty=False):  # NVMe: the rank's whole state, read back
-            return save_checkpoint(self, save_dir, tag, client_state, save_latest)
-
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Optional[str], Any]:
-        """Restore weights, optimizer, scheduler, counters and RNG from ``load_dir`` (tag default: ``latest``).
-
-        Works on a different world size too (re-sharding). Returns ``(path, client_state)``, or
-        ``(None, None)`` with a warning when ``tag`` is None and ``load_dir`` is missing or holds no complete
-        tag, so a restarted job can always call it; ``latest`` falls back past a damaged tag. The arguments
-        are DeepSpeed's, in its order; every parameter is always loaded (``load_module_strict=False`` and
-        ``custom_load_fn`` are not supported yet).
-        """
-        if not load_module_strict or custom_load_fn is not None:
-            raise DeepSpeedAPIError("load_checkpoint: load_module_strict=False and custom_load_fn are not "
-                                    "implemented by zeropp yet (a checkpoint always restores every parameter)")
-        self.join_update()
-        with self.residency.resident(self.units):  # NVMe: in memory while loading, written back after
-            return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                   load_module_only)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
-        """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""
-        return save_16bit_model(self, save_dir, save_filename)

@@ -1,5 +1,5 @@
 """What a checkpoint reads and writes of an engine, shared by zeropp's format (``engine_io.py``) and DeepSpeed's
-(``deepspeed_io.py``): each parameter as this rank holds it (:class:`Param`), everything a load will write
+(``zeropp/deepspeed/checkpoint_io.py``): each parameter as this rank holds it (:class:`Param`), everything a load will write
 (:class:`Loaded`, checked before anything is written), writing it into the engine (:func:`apply_loaded`), and
 the random states as data.
 """

@@ -1,6 +1,6 @@
 """The interfaces a stage-3 engine is handed: how to gather a unit's weights and how to reduce gradients.
 
-The engine never asks which ZeRO++ technique is on; ``zeropp.api.initialize`` picks the strategies.
+The engine never asks which ZeRO++ technique is on; ``zeropp.api.build`` picks the strategies.
 
 Buffers a strategy hands out (the gathered rows, the reduced row) belong to it and are reused for later
 units once the caller says it is done with them (``recycle``; Note [buffer pool] in ``comm/buffers.py``).

@@ -108,8 +108,8 @@ class EngineOptimizer:
 
     def state_dict(self) -> dict:
         raise RuntimeError("ZeroppTrainer.optimizer.state_dict(): the optimizer state is sharded over the ranks; "
-                           "Trainer checkpoints save it through engine.save_checkpoint (save_strategy), or call "
-                           "trainer.engine.save_checkpoint(dir) on every rank")
+                           "Trainer checkpoints save it through the engine's checkpoint (save_strategy), or call "
+                           "zeropp.checkpoint.save_checkpoint(trainer.engine, dir) on every rank")
 
     def load_state_dict(self, state: dict) -> None:
         raise RuntimeError("ZeroppTrainer.optimizer.load_state_dict(): the optimizer state is sharded over the "
@@ -135,10 +135,10 @@ class EngineScheduler:
 
     def record_step_lr(self) -> None:
         """Remember the learning rates of the optimizer step about to run."""
-        self._used = self.engine.get_lr()
+        self._used = _lrs(self.engine)
 
     def get_last_lr(self) -> list[float]:
-        return list(self._used) if self._used is not None else self.engine.get_lr()
+        return list(self._used) if self._used is not None else _lrs(self.engine)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """No-op: the engine stepped the scheduler with the optimizer (and skips both on an fp16 overflow)."""
@@ -148,3 +148,8 @@ class EngineScheduler:
 
     def __repr__(self) -> str:
         return f"EngineScheduler({self.scheduler!r})"
+
+
+def _lrs(engine: ZeroEngine) -> list[float]:
+    """The learning rate of each of the engine's optimizer parameter groups."""
+    return [group["lr"] for group in engine.master_optimizer.param_groups]

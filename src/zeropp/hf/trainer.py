@@ -25,11 +25,11 @@ import torch
 import transformers
 from torch import nn
 
-from zeropp.api import initialize
-from zeropp.checkpoint import CheckpointingEngine
+from zeropp import initialize  # the public entry point: the engine with its accessors
+from zeropp.checkpoint import load_checkpoint, save_checkpoint
 from zeropp.checkpoint.format import LATEST
-from zeropp.config import ConfigError, load_config, read_json
-from zeropp.config_auto import AutoValues
+from zeropp.config.loader import ConfigError, load_config, read_json
+from zeropp.config.auto import AutoValues
 from zeropp.hf.adapters import EngineModule, EngineOptimizer, EngineScheduler, PlainModule
 from zeropp.hf.export import save_companions, save_fp32_pretrained
 from zeropp.hf.values import auto_values, check_trainer_owned, trainer_config
@@ -98,7 +98,7 @@ class ZeroppTrainer(transformers.Trainer):
     ``weight_decay``...) is rebuilt over the fp32 master shards; without a ``scheduler`` section the
     Trainer's ``lr_scheduler_type`` schedule drives it. Launch with ``torchrun``; ``save_model`` must be
     called on every rank (the weights are gathered from all of them). ``trainer.engine`` is the
-    engine (:class:`~zeropp.checkpoint.CheckpointingEngine`, a ZeroEngine) once ``train()`` has started.
+    engine (what ``zeropp.initialize`` returns) once ``train()`` has started.
     """
 
     def __init__(self, model: Optional[nn.Module] = None, args: Optional[transformers.TrainingArguments] = None,
@@ -113,7 +113,7 @@ class ZeroppTrainer(transformers.Trainer):
         if args is not None:
             self._refuse(unsupported_arguments(args))
         self.zeropp_config = zeropp_config
-        self.engine: Optional[CheckpointingEngine] = None
+        self.engine: Optional[ZeroEngine] = None
         self._engine_module: Optional[EngineModule] = None
         self._engine_model: Optional[nn.Module] = None  # the model the engine partitions
         self._schedule_built_here = False  # from lr_scheduler_type (built again for a later train())
@@ -279,7 +279,7 @@ class ZeroppTrainer(transformers.Trainer):
         """``load_best_model_at_end``: the best checkpoint's weights from its engine checkpoint (collective); the
         optimizer, schedule and counters stay those of the run's end, as when DeepSpeed loads it."""
         engine = self._require_engine("_load_best_model")
-        path, _ = engine.load_checkpoint(self.state.best_model_checkpoint, load_module_only=True)
+        path, _ = load_checkpoint(engine, self.state.best_model_checkpoint, load_module_only=True)
         if path is None:
             raise ZeroppTrainerError(f"ZeroppTrainer: the best checkpoint {self.state.best_model_checkpoint} holds no "
                                      "zeropp engine checkpoint (saved with save_only_model?)")
@@ -287,7 +287,7 @@ class ZeroppTrainer(transformers.Trainer):
     def _resume_engine(self, checkpoint: str) -> None:
         """Weights, optimizer state, scheduler and counters from the checkpoint's engine tag; the Trainer
         restored its own state (step, RNG, callbacks) from the same directory."""
-        path, client_state = self._require_engine("_resume_engine").load_checkpoint(checkpoint)
+        path, client_state = load_checkpoint(self._require_engine("_resume_engine"), checkpoint)
         if path is None:
             raise ZeroppTrainerError(f"ZeroppTrainer: {checkpoint} holds no complete zeropp engine checkpoint")
         if self._metric_schedule:
@@ -330,7 +330,7 @@ class ZeroppTrainer(transformers.Trainer):
     def _engine_step(self, engine: ZeroEngine) -> None:
         """Step where the Trainer syncs: at the end of each window, an epoch's last and shorter one included."""
         boundary = self.accelerator.sync_gradients
-        engine.set_gradient_accumulation_boundary(boundary)
+        engine.force_boundary(bool(boundary))
         if boundary and isinstance(self.lr_scheduler, EngineScheduler):
             self.lr_scheduler.record_step_lr()  # what the Trainer logs as this step's learning rate
         engine.step()
@@ -348,7 +348,7 @@ class ZeroppTrainer(transformers.Trainer):
         from accelerate's wrapping."""
         return self._engine_module if self._engine_module is not None else PlainModule(model)
 
-    def _require_engine(self, what: str) -> CheckpointingEngine:
+    def _require_engine(self, what: str) -> ZeroEngine:
         if self.engine is None:
             raise RuntimeError(f"ZeroppTrainer.{what}: the engine is built by train()")
         return self.engine
@@ -374,7 +374,7 @@ class ZeroppTrainer(transformers.Trainer):
         """A Trainer checkpoint's optimizer part: the engine's sharded checkpoint (every rank writes its
         shard: masters, optimizer state, scheduler, counters) under ``output_dir/global_step{N}``."""
         client_state = {_METRIC_SCHEDULER_KEY: self.lr_scheduler.state_dict()} if self._metric_schedule else None
-        self._require_engine("_save_optimizer_and_scheduler").save_checkpoint(output_dir, client_state=client_state)
+        save_checkpoint(self._require_engine("_save_optimizer_and_scheduler"), output_dir, client_state=client_state)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
         """Check that the checkpoint holds an engine checkpoint; ``_prepare_for_training`` loads it once the

@@ -3,7 +3,7 @@ Trainer owns.
 
 :func:`auto_values` gives, by dotted JSON path, what Hugging Face's own DeepSpeed integration writes into
 ``"auto"`` keys (``HfTrainerDeepSpeedConfig.trainer_config_process`` and ``trainer_config_finalize`` in
-``transformers/integrations/deepspeed.py``), in zeropp's :class:`~zeropp.config_auto.AutoValues`.
+``transformers/integrations/deepspeed.py``), in zeropp's :class:`~zeropp.config.auto.AutoValues`.
 
 :func:`trainer_config` prepares a raw config for a Trainer run. The Trainer drives the loop, so the keys that
 shape it — batch sizes, accumulation, clipping, precision — are the Trainer's: the config may leave them out,
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from zeropp.config import ConfigError, ZeroppConfig
-from zeropp.config_auto import AUTO, AutoValues
+from zeropp.config.loader import ConfigError, ZeroppConfig
+from zeropp.config.auto import AUTO, AutoValues
 
 _ABSENT = object()
 
@@ -73,7 +73,7 @@ def auto_values(args: Any, model: Any = None, num_training_steps: Optional[int] 
     ``transformers.TrainingArguments``), ``model`` (its ``config.hidden_size`` sizes the bucket keys) and the
     run's number of optimizer steps (the scheduler's length and warm-up; left out when None).
 
-    Returns :class:`~zeropp.config_auto.AutoValues` whose ``given`` maps dotted JSON paths to values, for
+    Returns :class:`~zeropp.config.auto.AutoValues` whose ``given`` maps dotted JSON paths to values, for
     :func:`zeropp.config.load_config` (``load_config(raw, auto_values(args, model, steps))``).
     """
     micro, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps

@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol
+import warnings
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from zeropp.bucket_sizes import bucket_capacity, default_reduce_bucket_size
+from zeropp.config.buckets import bucket_capacity, default_reduce_bucket_size
 from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
-from zeropp.comm.strategy import GatherStrategy, PendingGather, ReduceStrategy
+from zeropp.comm.strategy import GatherStrategy, PendingGather
 from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition import listeners
@@ -38,6 +38,8 @@ from zeropp.partition.assign import is_leaf, plan_units
 from zeropp.zero.construction import PARAMS
 from zeropp.partition.meta import MetaMaterializer
 from zeropp.zero.values import Plan, UnitValues, agreed_rng
+from zeropp.zero.strategies import Strategies
+from zeropp.config.policy import StagePlan, TrainPolicy
 from zeropp.partition.unit import FrozenUnit, Unit, UnitState, check_requires_grad
 from zeropp.topology import Topology
 from zeropp.zero import gathered
@@ -45,8 +47,6 @@ from zeropp.zero.background import BackgroundUpdate
 from zeropp.zero.buckets import GradBuckets
 from zeropp.zero import compiled as compiled_regions
 from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_state_dict
-from zeropp.zero.deepspeed_surface import DeepSpeedSurface
-from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
 from zeropp.zero.optimizer_step import OptimizerStep
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder
@@ -64,71 +64,6 @@ from zeropp.zero.timing import StepTimer, format_time_report
 _OUTSIDE_INFERENCE_MODE = torch.inference_mode(False)
 
 
-@dataclass(frozen=True)
-class StagePlan:
-    """What one ZeRO stage partitions (ZeRO, Rajbhandari et al. 2020, section 5: P_os, P_os+g, P_os+g+p)."""
-
-    stage: int
-
-    @property
-    def shards_optimizer(self) -> bool:
-        """Stages 1-3: fp32 masters and optimizer state are cut over the world (stage 0: a group of one)."""
-        return self.stage >= 1
-
-    @property
-    def reduces_as_ready(self) -> bool:
-        """Stages 2-3: gradients are reduced into shards while backward runs, not kept whole until the step."""
-        return self.stage >= 2
-
-    @property
-    def shards_weights(self) -> bool:
-        """Stage 3: full weights exist only around each module's forward and backward."""
-        return self.stage == 3
-
-
-class FrozenUnits(Protocol):
-    """Builds the units of parameters frozen at ``initialize`` (``plus/frozen.py``: kept as int8 only)."""
-
-    def make_unit(self, index: int, module_name: str, named_params: list[tuple[str, nn.Parameter]], world: int,
-                  rank: int, compute_dtype: torch.dtype, chunks: Optional[list[Optional[torch.Tensor]]] = None
-                  ) -> Unit: ...
-
-
-@dataclass(frozen=True)
-class Strategies:
-    """How weights are gathered in each pass and how gradients are reduced."""
-
-    forward_gather: GatherStrategy
-    backward_gather: GatherStrategy
-    reduce: ReduceStrategy
-    frozen_units: Optional[FrozenUnits] = None  # stage 3: units for frozen parameters (None: plain units)
-
-
-@dataclass(frozen=True)
-class TrainPolicy:
-    """The numeric settings of a training step."""
-
-    compute_dtype: torch.dtype = torch.float32
-    gradient_accumulation_steps: int = 1
-    gradient_clipping: float = 0.0
-    reduce_bucket_size: Optional[int] = None  # 16-bit gradient elements in buckets; None: sized from the model
-    stage: int = 3
-    loss_scaler: Optional[LossScaler] = None  # fp16 only
-    delayed_update_after: Optional[int] = None  # DPU: optimizer steps before updates run in the background
-    offload_optimizer: bool = False  # fp32 masters, optimizer state and gradient rows on the host
-    offload_param: bool = False  # stage 3's 16-bit shards on the host (or on NVMe through the residency)
-    gather_granularity: str = "block"  # stage 3 units: one per block (ModuleList child) or per module
-    prefetch_bucket_size: int = 50_000_000  # stage 3: most elements one prefetch may gather (0: none)
-    max_live_parameters: int = 1_000_000_000  # stage 3: gathered + in-flight elements a prefetch may reach
-    persistence_threshold: int = 0  # stage 3: units this small stay gathered until the step (Note [persistent units])
-    model_persistence_threshold: int = 2**63 - 1  # stage 3: the most elements persistent units hold together
-    broadcast_rank0: bool = True  # take rank 0's weights at construction (Note [one model at initialize])
-    grad_predivide: float = 1.0  # gradients divided by this before the reduction (DeepSpeed's predivide factor)
-    grad_sum: bool = False  # the step uses the ranks' summed gradient instead of their mean
-    ignore_unused_parameters: bool = True  # stages 1-2, False: a trainable parameter without gradient raises
-    sanity_checks: bool = False  # any write in a read-only GatheredParameters raises, not only a changed value
-
-
 class Pass(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
@@ -141,16 +76,15 @@ class UnusedParametersError(RuntimeError):
     """Stages 1-2 with ``ignore_unused_parameters: false``: a trainable parameter got no gradient in a backward."""
 
 
-class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
-    """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.initialize`.
+class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
+    """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.api.build` (or
+    :func:`zeropp.initialize`, which returns it with DeepSpeed's accessors: ``zeropp/deepspeed/runtime/engine.py``).
 
-    Use it like DeepSpeed's engine: ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``;
-    DeepSpeed's accessors (``train_batch_size()``, ``get_lr()``, ...) come from :class:`DeepSpeedSurface`. As
-    DeepSpeed's engine, it is an ``nn.Module`` whose one child is the model (``engine.module``: its parameters
-    are ``engine.named_parameters()`` under ``module.``), and an attribute it lacks is the model's.
-    Checkpoints are not here: ``zeropp.checkpoint`` reads and writes the state this class exposes, and
-    ``initialize`` returns its subclass ``CheckpointingEngine``, which adds ``save_checkpoint`` & co.
-    (this module must never import ``zeropp.checkpoint``: tests/unit/test_layers.py).
+    ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``. It is an ``nn.Module`` whose one child
+    is the model (``engine.module``: its parameters are ``engine.named_parameters()`` under ``module.``), and an
+    attribute it lacks is the model's. Checkpoints are not here: the functions of ``zeropp.checkpoint`` read and
+    write the state this class exposes (this module must never import ``zeropp.checkpoint``:
+    tests/unit/test_layers.py).
     """
 
     #: ``forward`` casts floating-point inputs to the compute dtype (a subclass may leave them as given)
@@ -216,6 +150,27 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
                                    direct=topo.world_size == 1)
         if not self.plan.shards_weights:
             self._gather_resident(Phase.OTHER)
+        self._build_optimizer(make_optimizer, make_scheduler, trainable)
+        self._inflight: dict[Unit, PendingGather] = {}
+        # ZeRO-R's residual memory (zero/memory.py): saved activations, gathered weights and the prefetch bound
+        # once: a weight keeps its storage object while it is resized (storages_moved() looks again)
+        self._weight_storages = weight_storages(self.module)
+        self.activations = ActivationMeter(lambda: self._weight_storages)
+        self.gathered_weights = GatheredWeights(policy.max_live_parameters, policy.prefetch_bucket_size,
+                                                torch.empty((), dtype=policy.compute_dtype).element_size())
+        self._init_step_state()
+        if self.plan.shards_weights and strategies.forward_gather.keeps_copies:
+            self._cut_copies()
+        self.ledger.reset()  # set-up traffic is not a training step
+        self.timer.reset()
+        breakdown = config is not None and getattr(config, "wall_clock_breakdown", False)
+        self._print_every = int(getattr(config, "steps_per_print", 10)) if breakdown else 0
+        gathered.track(self)  # so zeropp.zero.GatheredParameters finds the engine of a parameter
+
+    # ---- construction ------------------------------------------------------------------------------------
+    def _build_optimizer(self, make_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
+                         make_scheduler: Callable[[torch.optim.Optimizer], Any], trainable: Optional[set[int]]) -> None:
+        """The optimizer over the fp32 master views of the trainable parameters, and its schedule."""
         masters = [
             (slot.name, view)
             for u in self._stepped
@@ -227,13 +182,9 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         self._optimized = {id(p) for group in self.master_optimizer.param_groups for p in group["params"]}
         self.residency.attach(self.master_optimizer, self._optimized)
         self.lr_scheduler = make_scheduler(self.master_optimizer)
-        self._inflight: dict[Unit, PendingGather] = {}
-        # ZeRO-R's residual memory (zero/memory.py): saved activations, gathered weights and the prefetch bound
-        # once: a weight keeps its storage object while it is resized (storages_moved() looks again)
-        self._weight_storages = weight_storages(self.module)
-        self.activations = ActivationMeter(lambda: self._weight_storages)
-        self.gathered_weights = GatheredWeights(policy.max_live_parameters, policy.prefetch_bucket_size,
-                                                torch.empty((), dtype=policy.compute_dtype).element_size())
+
+    def _init_step_state(self) -> None:
+        """The bookkeeping of passes, accumulation windows and steps, as before the first forward."""
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._grads_missing: dict[Unit, int] = {}
@@ -241,7 +192,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         self._staged: dict[Unit, list[tuple[int, torch.Tensor]]] = {}  # gradients of units not yet complete
         self._window_seen: set[tuple[int, int]] = set()  # (unit, slot) with a gradient in this accumulation window
         self._held_whole = False  # every unit gathered and kept (held_whole): the hooks release nothing
-        self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (DeepSpeed's)
+        self._boundary_override: Optional[bool] = None  # force_boundary()
         self._quiet = False  # this pass runs compiled code without watches (Note [compiled regions])
         self.order = CollectiveOrder()  # Note [collective order]
         self._backward_open = False
@@ -253,15 +204,7 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         self._global_grad_norm: Optional[float] = None
         self._skipped = False
         self._update: Optional[BackgroundUpdate] = None
-        if self.plan.shards_weights and strategies.forward_gather.keeps_copies:
-            self._cut_copies()
-        self.ledger.reset()  # set-up traffic is not a training step
-        self.timer.reset()
-        breakdown = config is not None and getattr(config, "wall_clock_breakdown", False)
-        self._print_every = int(getattr(config, "steps_per_print", 10)) if breakdown else 0
-        gathered.track(self)  # so zeropp.zero.GatheredParameters finds the engine of a parameter
 
-    # ---- construction ------------------------------------------------------------------------------------
     def _cut_copies(self) -> None:
         """Note [hpZ slices at initialize] in ``plus/hpz.py``: gather each unit once through the forward strategy
         and release it, one unit at a time, so that the copies its release keeps exist from the start."""
@@ -685,10 +628,25 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``step()`` steps the optimizer: every ``gradient_accumulation_steps`` micro-steps,
-        unless ``set_gradient_accumulation_boundary`` said otherwise (an epoch's last, shorter window)."""
+        unless :meth:`force_boundary` said otherwise (an epoch's last, shorter window)."""
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.policy.gradient_accumulation_steps == 0
+
+    def force_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Make the next ``step()`` calls step the optimizer (True) or only accumulate (False) whatever the
+        micro-step count says, until called with None; the engine counts such a window as a whole one."""
+        self._boundary_override = is_boundary
+
+    @property
+    def step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the weights (False off a boundary and for a skipped step)."""
+        return self._step_applied
+
+    def finish_backward(self) -> None:
+        """Close a backward still open (its gradients reduced); nothing when none is."""
+        if self._backward_open:
+            self._finish_backward()
 
     def _got_grad_in_window(self, unit: Unit, index: int) -> bool:
         """Whether the parameter got a gradient in this accumulation window (by its hook at stages 2-3, in its
@@ -803,3 +761,35 @@ class ZeroEngine(OptimizerStep, EngineReports, DeepSpeedSurface, nn.Module):
         if self.use is not None:
             idle_watch.unwatch(self.use)
 
+
+    # ---- compilation and the model's attributes ------------------------------------------------------------
+    def compile(self, backend: Any = "inductor", compile_kwargs: Optional[dict[str, Any]] = None) -> None:
+        """``torch.compile`` of the model in place, one region per block (else the whole model), with ``backend``
+        and the other ``compile_kwargs``; a second call does nothing. The first optimizer step runs eagerly,
+        then compiled (Note [compiled regions] in ``zero/compiled.py``)."""
+        if self.is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            warnings.warn("engine.compile: the backend in compile_kwargs is overridden by the backend argument",
+                          stacklevel=2)
+            del kwargs["backend"]
+        compiled_regions.compile_model(self.module, backend, kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the model, or parts of it, run compiled (``engine.compile``, ``module.compile()``, or a
+        model compiled whole before it was wrapped)."""
+        return self.__dict__.get("_compiled_call") is not None or compiled_regions.compiled_parts(self.module)
+
+    def __getattr__(self, name: str) -> Any:
+        """An ``nn.Module``'s parameters, buffers and children first, then the model's attributes (a method the
+        user defined on the model)."""
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and not (name.startswith("__") and name.endswith("__")):
+            return getattr(module, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

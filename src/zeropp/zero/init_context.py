@@ -34,12 +34,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from zeropp.config import read_json
+from zeropp.config.loader import read_json
 from zeropp.partition.access import METADATA, STORAGE_INFO, call_args, call_name, is_noop
 from zeropp.zero.construction import PARAMS, State, local_device
 from zeropp.topology import ensure_process_group
 from zeropp.zero import gathered, idle_watch
-from zeropp.zero.deepspeed_surface import DeepSpeedAPIError
+from zeropp.errors import NotBuiltError
 
 #: parameters gathered inside ``__init__``s and not yet partitioned again may hold at most this many bytes,
 #: or twice the largest module built so far (the oldest go first)
@@ -249,7 +249,7 @@ class Init:
                             ("sequence_data_parallel_group", sequence_data_parallel_group),
                             ("data_parallel_group", data_parallel_group), *kwargs.items()):
             if value not in (None, False):
-                raise DeepSpeedAPIError(f"zero.Init({name}=...) is not implemented by zeropp yet")
+                raise NotBuiltError(f"zero.Init({name}=...) is not implemented by zeropp yet")
         if remote_device is None:
             remote_device = _offload_param_device(config_dict_or_path if config_dict_or_path is not None else config)
         if remote_device not in (None, "cpu", "nvme", "none"):

@@ -1,4 +1,0 @@
-"""``deepspeed.runtime``: the ``zero`` subpackage and ``engine.DeepSpeedEngine``."""
-from zeropp.compat.deepspeed.runtime import engine, zero
-
-__all__ = ["engine", "zero"]

@@ -1,0 +1,42 @@
+"""zeropp's DeepSpeed layer: every DeepSpeed name zeropp provides, in DeepSpeed's own module tree.
+
+This package is what ``zeropp.install_deepspeed_alias()`` registers as ``deepspeed`` (``alias.py``): a name lives
+here at its DeepSpeed path (``runtime/engine.py``'s ``DeepSpeedEngine``, ``utils/``'s ``safe_get_full_*``,
+``runtime/zero/``'s ZeRO optimizer views, ``checkpointing.py``, ``comm.py``), over zeropp's core, which keeps its
+own vocabulary. Names DeepSpeed has and zeropp lacks are listed once, in ``missing.py``, and raise
+:class:`DeepSpeedAPIError` naming them. DeepSpeed checkpoints are read and written by ``checkpoint_format.py`` and
+``checkpoint_io.py``; ``params.py`` gives partitioned parameters DeepSpeed's ``ds_*`` attributes as views while
+the alias is installed.
+
+``__version__`` is the DeepSpeed release whose API this layer follows (integrations compare it);
+``__zeropp_version__`` is zeropp's own.
+"""
+from typing import Any
+
+from zeropp._version import __version__ as __zeropp_version__
+from zeropp.deepspeed import checkpointing, comm, runtime, utils, zero
+from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
+from zeropp.deepspeed.module_api import InitResult, add_config_arguments, init_distributed
+from zeropp.deepspeed.module_api import initialize as _initialize
+from zeropp.deepspeed.runtime.engine import DeepSpeedEngine
+
+__version__ = "0.19.8"
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "checkpointing", "utils", "runtime",
+           "comm", "DeepSpeedEngine", "DeepSpeedAPIError", "__zeropp_version__"]
+
+
+def initialize(*args: Any, **kwargs: Any) -> InitResult:
+    """``zeropp.initialize`` (same arguments), returning a :class:`DeepSpeedEngine` and, as its optimizer, the view
+    of DeepSpeed's ZeRO optimizer (``runtime/zero/zero_optimizer.py``) that is also ``engine.optimizer``:
+    ``optimizer.optimizer.state[...]``, ``fp16_groups``, ... as DeepSpeed's scripts read them."""
+    result = _initialize(*args, engine_class=DeepSpeedEngine, **kwargs)
+    return result._replace(optimizer=result.engine.optimizer)
+
+
+initialize.__wrapped__ = _initialize  # type: ignore[attr-defined]
+
+
+def __getattr__(name: str) -> Any:
+    if is_missing("deepspeed", name):
+        raise missing("deepspeed", name)
+    raise AttributeError(f"module 'deepspeed' (zeropp's DeepSpeed API) has no attribute {name!r}")

@@ -1,0 +1,178 @@
+"""DeepSpeed's ``ds_*`` parameter attributes, as read-only views of zeropp's state (never copies of it).
+
+While the ``deepspeed`` alias is installed, each parameter that becomes partitioned (under ``zero.Init``, by
+``from_pretrained`` or by a stage-3 engine) takes :class:`DeepSpeedParameter` as its class: an ``nn.Parameter``
+subclass with no state of its own, whose properties read where zeropp keeps the truth (the engine's units,
+``partition.construction.PARAMS``), so they cannot go stale. Writing one raises, saying what to do instead.
+
+* ``ds_numel``, ``ds_shape``: the full size and shape (zeropp keeps them as ``numel()`` and ``shape`` too);
+* ``ds_status``: :class:`ZeroParamStatus` ``AVAILABLE`` while gathered, ``INFLIGHT`` while a gather is on its way,
+  else ``NOT_AVAILABLE``;
+* ``ds_tensor``: this rank's part of the values (a copy, in the parameter's dtype; padding left out), a
+  :class:`PartitionTensor`: ``param.ds_tensor.data = value`` writes the part (DeepSpeed's way to set a rank's
+  partition; here into the fp32 master, which becomes the weights), and an in-place change of it raises;
+* ``ds_id``: a number unique among the parameters of its engine (or of those partitioned at construction);
+* ``ds_persist``: whether its unit persists (stays gathered between passes: Note [persistent units]);
+* ``ds_secondary_tensor``: this rank's slice of it in hpZ's secondary copy (a copy), or None without hpZ or while
+  no current slice exists (from an optimizer step to the next forward; one is cut at initialize);
+* ``ds_zero_param_process_group``: the process group of that secondary partition, or None without hpZ.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from zeropp.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from zeropp.partition import listeners
+from zeropp.zero.construction import PARAMS, State
+from zeropp.partition.unit import UnitState
+from zeropp.zero import param_state as ps
+from zeropp.deepspeed.missing import DeepSpeedAPIError
+
+
+# in-place operators by name (in-place methods are the names ending in one underscore)
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                              "__imatmul__"})
+
+
+class PartitionTensor(torch.Tensor):
+    """``param.ds_tensor``: a copy of this rank's part of a partitioned parameter. Assigning its ``data`` writes
+    the part through ``write`` (DeepSpeed's ``param.ds_tensor.data = value``); an in-place operation on it would
+    change only the copy, so it raises. Every other operation gives plain tensors."""
+
+    _write: Callable[[torch.Tensor], None]
+
+    @staticmethod
+    def of(values: torch.Tensor, write: Callable[[torch.Tensor], None]) -> "PartitionTensor":
+        t = torch.Tensor._make_subclass(PartitionTensor, values, False)
+        t._write = write
+        return t
+
+    @property  # type: ignore[override]
+    def data(self) -> "PartitionTensor":
+        return self
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self._write(value)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        inplace = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+        if (inplace and args and isinstance(args[0], PartitionTensor)) or isinstance(kwargs.get("out"), cls):
+            raise DeepSpeedAPIError(f"{name} on param.ds_tensor: zeropp's ds_tensor is a copy of this rank's part, "
+                                    "so an in-place change would be lost; assign param.ds_tensor.data = value, or "
+                                    "use deepspeed.utils.safe_set_local_fp32_param")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _local_part(value: torch.Tensor, owned: int, chunk: int, what: str) -> torch.Tensor:
+    """The ``owned`` elements of a value for this rank's part (a padded chunk's padding is dropped)."""
+    flat = value.detach().reshape(-1)
+    if flat.numel() not in (owned, chunk):
+        raise ValueError(f"param.ds_tensor.data = value: {what} owns {owned} elements here (a chunk of {chunk} "
+                         f"with padding), the value has {flat.numel()}")
+    return flat[:owned]
+
+
+class DeepSpeedParameter(nn.Parameter):
+    """A partitioned parameter, with DeepSpeed's ``ds_*`` names as read-only views (see the module)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # as nn.Parameter: no subclass dispatch
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("ds_") and name in _VIEWS:
+            raise DeepSpeedAPIError(f"param.{name} is read-only in zeropp (a view of the engine's state); change "
+                                    "parameters inside zeropp.zero.GatheredParameters(params, modifier_rank=0)")
+        super().__setattr__(name, value)
+
+    @property
+    def ds_numel(self) -> int:
+        return self.numel()
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self.shape
+
+    @property
+    def ds_persist(self) -> bool:
+        loc = ps.locate(self)
+        kept = getattr(loc.engine, "kept", None) if loc is not None else None
+        return kept is not None and loc.unit in kept
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        loc = ps.locate(self)
+        if loc is not None:
+            if loc.unit.state is UnitState.GATHERED:
+                return ZeroParamStatus.AVAILABLE
+            inflight = loc.unit in getattr(loc.engine, "_inflight", {})
+            return ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
+        rec = PARAMS.get(self)
+        if rec is not None and rec.state is State.PARTITIONED:
+            return ZeroParamStatus.NOT_AVAILABLE
+        return ZeroParamStatus.AVAILABLE
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        loc = ps.locate(self)
+        if loc is not None:
+            def write_master(value: torch.Tensor, loc: ps.Located = loc) -> None:
+                start, stop = loc.span
+                part = _local_part(value, stop - start, loc.slot.spec.chunk, repr(loc.slot.name))
+                ps.set_master(loc, part, local=True)
+            return PartitionTensor.of(ps.local_master(loc).to(self.dtype), write_master)
+        rec = PARAMS.get(self)
+        if rec is None:
+            raise DeepSpeedAPIError("param.ds_tensor: the parameter is not partitioned")
+        start, stop = rec.spec.owned(PARAMS.comm.topo.rank)
+
+        def write_shard(value: torch.Tensor) -> None:
+            part = _local_part(value, stop - start, rec.spec.chunk, repr(rec.label))
+            with torch.no_grad():
+                rec.shard[: stop - start].copy_(part)
+        return PartitionTensor.of(rec.shard[: stop - start].clone(), write_shard)
+
+    @property
+    def ds_secondary_tensor(self) -> Optional[torch.Tensor]:
+        loc = ps.locate(self)
+        return None if loc is None else ps.secondary_part(loc)
+
+    @property
+    def ds_zero_param_process_group(self) -> Any:
+        loc = ps.locate(self)
+        return None if loc is None else ps.hpz_group(loc)
+
+    @property
+    def ds_id(self) -> int:
+        loc = ps.locate(self)
+        if loc is not None:
+            order = [s.param for u in loc.engine.units for s in u.slots]
+            return next(i for i, p in enumerate(order) if p is self)
+        rec = PARAMS.get(self)
+        if rec is None:
+            raise DeepSpeedAPIError("param.ds_id: the parameter is not partitioned")
+        return rec.serial
+
+
+_VIEWS = {name for name, value in vars(DeepSpeedParameter).items() if isinstance(value, property)}
+
+
+def give_views(param: nn.Parameter) -> None:
+    """Make ``param`` a :class:`DeepSpeedParameter` (a plain ``nn.Parameter`` only: a user's subclass is left)."""
+    if type(param) is nn.Parameter:
+        param.__class__ = DeepSpeedParameter
+
+
+def install() -> None:
+    listeners.listen(give_views)
+
+
+def uninstall() -> None:
+    listeners.unlisten(give_views)

@@ -1,0 +1,282 @@
+"""``deepspeed.runtime.engine``: zeropp's engine under DeepSpeed's names.
+
+:class:`ZeroppEngine` is what ``zeropp.initialize`` returns: the core engine (``zeropp.zero.engine.ZeroEngine``,
+which keeps its own vocabulary) with DeepSpeed's accessors (``train_batch_size()``, ``local_rank``, ``get_lr()``,
+...) and checkpoint methods (``save_checkpoint``, ``load_checkpoint``, which also imports a DeepSpeed ZeRO
+checkpoint, ``save_16bit_model``). They read the engine's state and config, or call the functions of
+``zeropp.checkpoint``; nothing here changes what the engine does.
+
+:class:`DeepSpeedEngine` (also ``deepspeed.DeepSpeedEngine``) is what the alias's ``deepspeed.initialize``
+returns, for the ``isinstance`` checks integrations make. It differs from :class:`ZeroppEngine` in two ways, both
+DeepSpeed's behaviour:
+
+* ``engine.optimizer`` is DeepSpeed's ZeRO optimizer (the view in ``runtime/zero/zero_optimizer.py``), as scripts
+  written for DeepSpeed read it, where zeropp's own engine answers with the torch optimizer over the fp32 masters
+  (which both keep as ``master_optimizer``);
+* ``forward`` passes floating-point inputs as they are, casting them to fp16 only with ``fp16.auto_cast``, where
+  zeropp's own engine casts them to the compute dtype (a bf16 model given fp32 inputs computes in fp32 where the
+  weights meet them, as under DeepSpeed);
+
+and raises DeepSpeed's exception type where a script may catch it: a parameter without a gradient under
+``ignore_unused_parameters: false`` is an ``AssertionError`` (zeropp's :class:`UnusedParametersError`, a
+RuntimeError, is its cause).
+
+A DeepSpeed engine name zeropp lacks raises :class:`DeepSpeedAPIError` naming it (``missing.py``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from zeropp import checkpoint
+from zeropp.deepspeed.checkpoint_format import deepspeed_tag_dir
+from zeropp.deepspeed.checkpoint_io import load_deepspeed
+from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
+from zeropp.deepspeed.runtime.zero.zero_optimizer import ZeroOptimizerView, zero_optimizer_view
+from zeropp.deepspeed.utils.timer import ThroughputTimer
+from zeropp.zero.engine import UnusedParametersError, ZeroEngine
+
+
+class ZeroppEngine(ZeroEngine):
+    """zeropp's engine with DeepSpeed's accessors and checkpoint methods (see the module docstring)."""
+
+    @property
+    def tput_timer(self) -> ThroughputTimer:
+        """DeepSpeed's throughput timer, over this engine's step times (one per engine: a script may drive it)."""
+        timer = self.__dict__.get("_tput_timer")
+        if timer is None:
+            timer = self.__dict__["_tput_timer"] = ThroughputTimer(self)
+        return timer
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index on its node (torchrun's ``LOCAL_RANK``)."""
+        return int(os.environ.get("LOCAL_RANK", self.topo.local_rank))
+
+    @property
+    def global_rank(self) -> int:
+        return self.topo.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topo.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (its first parameter's device; the host for a model without any)."""
+        return self.units[0].device if self.units else torch.device("cpu")
+
+    def _batch(self) -> Any:
+        return self.config.resolve_batch(self.topo.world_size)
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks and accumulation steps."""
+        return self._batch().train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch().micro_batch_per_rank
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.policy.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer parameter group."""
+        return [group["lr"] for group in self.master_optimizer.param_groups]
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train batch size, micro-batch per rank, gradient accumulation steps)."""
+        b = self._batch()
+        return b.train_batch_size, b.micro_batch_per_rank, self.policy.gradient_accumulation_steps
+
+    @property
+    def global_samples(self) -> int:
+        """Samples trained on over all ranks: optimizer steps times the train batch size."""
+        return self.global_steps * self.train_batch_size()
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the weights: False off an accumulation boundary and when the step
+        was skipped (a non-finite gradient, fp16's overflow)."""
+        return self.step_applied
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks in data parallel: the world (zeropp has no model or pipeline parallel dimension)."""
+        return self.topo.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1  # no model parallelism
+
+    mpu = None  # DeepSpeed's model-parallel unit: none
+
+    def gradient_clipping(self) -> float:
+        return self.policy.gradient_clipping
+
+    def gradient_predivide_factor(self) -> float:
+        return self.policy.grad_predivide
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def dynamic_loss_scale(self) -> bool:
+        """fp16 with a dynamic loss scale (``fp16.loss_scale`` 0)."""
+        return self.loss_scaler is not None and self.config.fp16.loss_scale == 0
+
+    def amp_enabled(self) -> bool:
+        return False  # Apex AMP: the config refuses it
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: the compute dtype (qgZ puts int4 on the wire within it)."""
+        return self.policy.compute_dtype
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.policy.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.policy.stage >= 3
+
+    def zero_offload_optimizer(self) -> bool:
+        return bool(self.policy.offload_optimizer)
+
+    def zero_offload_param(self) -> bool:
+        return bool(self.policy.offload_param)
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer runs on the host (``offload_optimizer.device`` "cpu")."""
+        off = self.config.zero_optimization.offload_optimizer
+        return off is not None and off.device == "cpu"
+
+    def zero_reduce_bucket_size(self) -> int:
+        """The reduce bucket size in use (sized from the model when the config leaves it out: Note [bucket size])."""
+        return self.reduce_bucket_size
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self.config.zero_optimization.allgather_bucket_size
+
+    def zero_overlap_comm(self) -> bool:
+        return True  # zeropp always overlaps communication with compute
+
+    def zero_optimization_stage(self) -> int:
+        return self.policy.stage
+
+    def zero_optimization(self) -> bool:
+        return self.policy.stage > 0
+
+    def bfloat16_enabled(self) -> bool:
+        return self.policy.compute_dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.policy.compute_dtype == torch.float16
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: ``save_16bit_model`` always gathers the full 16-bit weights."""
+        return True
+
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Make the next ``step()`` calls step the optimizer (True) or only accumulate (False) whatever the
+        micro-step count says, until called with None. An epoch's last, shorter window is the use
+        (transformers' Trainer, accelerate); the engine then counts that window as a whole one."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary: True, False or None, got {is_boundary!r}")
+        self.force_boundary(is_boundary)
+
+    def empty_partition_cache(self) -> None:
+        """Free the weights still gathered between steps (persistent units); they are gathered again at their
+        next use."""
+        self.free_gathered()
+
+    def allreduce_gradients(self, bucket_size: Any = None) -> None:
+        """Finish reducing the last backward's gradients. zeropp reduces them inside ``backward`` at stages 2-3
+        and at the accumulation boundary's ``step()`` at stages 0-1 (where DeepSpeed's engine reduces them too),
+        so this only closes a backward still open; ``bucket_size`` is DeepSpeed's and unused."""
+        self.finish_backward()
+
+    def destroy(self) -> None:
+        """Release the engine and its hold on the model (``unpartition``: the model is left whole, ready for
+        another ``initialize``)."""
+        self.unpartition()
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: Optional[dict[str, Any]] = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """``torch.compile`` of the model in place (``ZeroEngine.compile``); DeepCompile's ``schedule`` and
+        compiled autograd are not built."""
+        if schedule is not None:
+            raise DeepSpeedAPIError("engine.compile(schedule=...): a DeepCompile pass schedule; zeropp has no "
+                                    "DeepCompile yet: leave schedule out")
+        if compiled_autograd_enabled:
+            raise DeepSpeedAPIError("engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                                    "supported yet: leave it False (backward runs the compiled regions' graphs)")
+        super().compile(backend, compile_kwargs)
+
+    # ---- checkpoints (every rank calls them) -------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Any = None,
+                        save_latest: bool = True) -> str:
+        """Write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step{N}``); every rank calls.
+
+        Returns the tag directory; ``save_dir/latest`` names it once every rank's shard is on disk.
+        """
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Optional[str], Any]:
+        """Restore weights, optimizer, scheduler, counters and RNG from ``load_dir`` (tag default: ``latest``).
+
+        Works on a different world size too (re-sharding). Returns ``(path, client_state)``, or
+        ``(None, None)`` with a warning when ``tag`` is None and ``load_dir`` is missing or holds no complete
+        tag, so a restarted job can always call it; ``latest`` falls back past a damaged tag. A DeepSpeed ZeRO
+        checkpoint (``latest`` and ``global_stepN/*_optim_states.pt``) is imported (``checkpoint_io.py``).
+        Every parameter is always loaded (``load_module_strict=False`` and ``custom_load_fn`` are not
+        supported yet).
+        """
+        if not load_module_strict or custom_load_fn is not None:
+            raise DeepSpeedAPIError("load_checkpoint: load_module_strict=False and custom_load_fn are not "
+                                    "implemented by zeropp yet (a checkpoint always restores every parameter)")
+        ds_tag = deepspeed_tag_dir(load_dir, tag)
+        if ds_tag is not None:
+            return load_deepspeed(self, ds_tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                          load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
+        """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""
+        return checkpoint.save_16bit_model(self, save_dir, save_filename)
+
+    def save_fp16_model(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's older name of ``save_16bit_model``."""
+        return self.save_16bit_model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """The core engine's lookup (the model's attributes last), after DeepSpeed's names zeropp lacks, which
+        are an error that names them."""
+        if is_missing("engine", name) and name not in self.__dict__.get("_modules", {}):
+            raise missing("engine", name)
+        return super().__getattr__(name)
+
+
+class DeepSpeedEngine(ZeroppEngine):
+    """zeropp's engine as DeepSpeed's scripts see it (see the module docstring). Made by ``deepspeed.initialize``."""
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().backward(loss, *args, **kwargs)
+        except UnusedParametersError as e:
+            raise AssertionError(str(e)) from e
+
+    @property
+    def casts_inputs(self) -> bool:  # type: ignore[override]
+        fp16 = self.config.fp16
+        return bool(fp16.enabled and fp16.auto_cast)
+
+    @property
+    def optimizer(self) -> ZeroOptimizerView:  # type: ignore[override]
+        view = self.__dict__.get("_deepspeed_optimizer")
+        if view is None:  # one per engine, made at first use
+            view = self.__dict__["_deepspeed_optimizer"] = zero_optimizer_view(self)
+        return view
