@@ -43,18 +43,18 @@ from zeropp.config.policy import StagePlan, TrainPolicy
 from zeropp.partition.unit import FrozenUnit, Unit, UnitState, check_requires_grad
 from zeropp.topology import Topology
 from zeropp.zero import gathered
-from zeropp.zero.background import BackgroundUpdate
 from zeropp.zero.buckets import GradBuckets
 from zeropp.zero import compiled as compiled_regions
 from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_state_dict
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
+from zeropp.zero.grad_intake import GradIntake
 from zeropp.zero.optimizer_step import OptimizerStep
-from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, REDUCE, CollectiveOrder
+from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, CollectiveOrder
 from zeropp.zero import idle_watch
 from zeropp.zero import teardown
 from zeropp.zero.param_use import ParamUse, unwatched
 from zeropp.zero.persistence import KeptUnits, persistent_units
-from zeropp.zero.reports import EngineReports
+from zeropp.zero import reports
 from zeropp.zero.timing import StepTimer, format_time_report
 
 # Note [inference mode]: an evaluation under torch.inference_mode() may be the first forward to need a gather
@@ -72,11 +72,7 @@ class Pass(enum.Enum):
 _LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
 
 
-class UnusedParametersError(RuntimeError):
-    """Stages 1-2 with ``ignore_unused_parameters: false``: a trainable parameter got no gradient in a backward."""
-
-
-class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
+class ZeroEngine(nn.Module):
     """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.api.build` (or
     :func:`zeropp.initialize`, which returns it with DeepSpeed's accessors: ``zeropp/deepspeed/runtime/engine.py``).
 
@@ -122,7 +118,6 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
         self.strategies = strategies
         self.policy = policy
         self.plan = StagePlan(policy.stage)
-        self.loss_scaler = policy.loss_scaler
         self._cast_buffers(policy.compute_dtype)
         self.shard_world = topo.world_size if self.plan.shards_optimizer else 1
         if strategies.frozen_units is not None and (not self.plan.shards_weights or policy.offload_param
@@ -145,9 +140,12 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
         trainable_elements = sum(s.spec.padded for u in self._stepped for s in u.slots if s.param.requires_grad)
         self.reduce_bucket_size = policy.reduce_bucket_size if policy.reduce_bucket_size is not None \
             else default_reduce_bucket_size(trainable_elements)  # Note [bucket size]
-        self.buckets = GradBuckets(strategies.reduce, self.shard_world, bucket_capacity(self.reduce_bucket_size),
-                                   self.residency, self.link if policy.offload_optimizer else HostLink(),
-                                   direct=topo.world_size == 1)
+        self.order = CollectiveOrder()  # Note [collective order]
+        buckets = GradBuckets(strategies.reduce, self.shard_world, bucket_capacity(self.reduce_bucket_size),
+                              self.residency, self.link if policy.offload_optimizer else HostLink(),
+                              direct=topo.world_size == 1)
+        self.grads = GradIntake(buckets, self.order, stepped=self._stepped, policy=policy, plan=self.plan, topo=topo,
+                                comm=self.comm)
         if not self.plan.shards_weights:
             self._gather_resident(Phase.OTHER)
         self._build_optimizer(make_optimizer, make_scheduler, trainable)
@@ -177,33 +175,25 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
             for slot, view in zip(u.slots, u.master_views())
             if slot.param.requires_grad and (trainable is None or id(slot.param) in trainable)
         ]
-        self.master_optimizer = make_optimizer(masters)
-        # master views the optimizer updates (frozen or left-out parameters are not among them)
-        self._optimized = {id(p) for group in self.master_optimizer.param_groups for p in group["params"]}
-        self.residency.attach(self.master_optimizer, self._optimized)
-        self.lr_scheduler = make_scheduler(self.master_optimizer)
+        optimizer = make_optimizer(masters)
+        self.stepper = OptimizerStep(
+            optimizer, make_scheduler(optimizer), stepped=self._stepped, policy=self.policy, plan=self.plan,
+            topo=self.topo, comm=self.comm, order=self.order, residency=self.residency, link=self.link,
+            timer=self.timer, copy_back=self._copy_back, gather_resident=self._gather_resident, step_number=lambda: self.global_steps)
+        self.residency.attach(optimizer, self.stepper.optimized)
 
     def _init_step_state(self) -> None:
         """The bookkeeping of passes, accumulation windows and steps, as before the first forward."""
         self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
-        self._grads_missing: dict[Unit, int] = {}
-        self._grads_seen: set[tuple[int, int]] = set()  # (unit, slot) whose gradient arrived this backward
-        self._staged: dict[Unit, list[tuple[int, torch.Tensor]]] = {}  # gradients of units not yet complete
-        self._window_seen: set[tuple[int, int]] = set()  # (unit, slot) with a gradient in this accumulation window
         self._held_whole = False  # every unit gathered and kept (held_whole): the hooks release nothing
         self._boundary_override: Optional[bool] = None  # force_boundary()
         self._quiet = False  # this pass runs compiled code without watches (Note [compiled regions])
-        self.order = CollectiveOrder()  # Note [collective order]
         self._backward_open = False
         self._restart_pending = False  # restart_accumulation(): the next backward drops the gradients first
         self._step_applied = False  # the last step() updated the weights
-        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
         self.micro_steps = 0
         self.global_steps = 0
-        self._global_grad_norm: Optional[float] = None
-        self._skipped = False
-        self._update: Optional[BackgroundUpdate] = None
 
     def _cut_copies(self) -> None:
         """Note [hpZ slices at initialize] in ``plus/hpz.py``: gather each unit once through the forward strategy
@@ -383,45 +373,10 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
         @unwatched
         def hook(param: nn.Parameter) -> None:
             grad, param.grad = param.grad, None
-            self._grads_seen.add((unit.index, slot_index))
-            self._window_seen.add((unit.index, slot_index))
-            left = (self._grads_missing[unit] if unit in self._grads_missing else unit.needs_grad()) - 1
-            self._grads_missing[unit] = left
-            if whole:
-                self._staged.setdefault(unit, []).append((slot_index, grad))
-                if left > 0:
-                    return
-                for index, g in self._staged.pop(unit):
-                    self._bucket(unit, index, g)
-            else:
-                self._bucket(unit, slot_index, grad)
-            if left == 0 and self.plan.shards_weights and unit not in self._mixed:
+            if self.grads.arrive(unit, slot_index, grad, whole) and self.plan.shards_weights \
+                    and unit not in self._mixed:
                 self._release(unit, Pass.BACKWARD)
         return hook
-
-    def _bucket(self, unit: Unit, slot_index: int, grad: torch.Tensor) -> None:
-        self.order.note(REDUCE, unit.index, slot_index)  # the add order decides what each bucket holds
-        self.buckets.add(unit, slot_index, grad)
-
-    def _bucket_partly_used(self) -> None:
-        """Note [partly used units]: a leaf module (``set_z3_leaf_modules``, ``leaf_module``, the granularity
-        threshold) is one unit over several modules, and ranks may use different parts of it: a mixture of
-        experts whose tokens went to other experts on another rank, a forward that picks a child by rank. Each
-        rank would hand the buckets only what it used, in its own order, and the ranks' buckets would pair
-        different parameters. So a leaf unit's gradients wait until all of them are in; those of a leaf unit
-        still waiting when backward ends go to the buckets in slot order, zeros for the parameters it did not
-        use, in unit order: the same adds on every rank whose backward reached the same units. Other units
-        hand each gradient over as it arrives (the earliest reduction); ranks that use different parts of one
-        of them, or run different units, are refused by the collective order check."""
-        for unit in sorted(self._staged, key=lambda u: u.index):
-            got = dict(self._staged[unit])
-            for index, slot in enumerate(unit.slots):
-                if slot.trainable:
-                    grad = got.get(index)
-                    if grad is None:
-                        grad = torch.zeros(slot.param.shape, dtype=self.policy.compute_dtype, device=unit.device)
-                    self._bucket(unit, index, grad)
-        self._staged = {}
 
     # ---- gather / release / prefetch ---------------------------------------------------------------------
     def _strategy(self, which: Pass) -> GatherStrategy:
@@ -562,11 +517,10 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
             gas = self.policy.gradient_accumulation_steps if scale_wrt_gas else 1
             factor = self.loss_scale / (gas * self.policy.grad_predivide)
             if self._restart_pending:
-                self._drop_gradients()
+                self.stepper.drop_gradients()
+                self._restart_pending = False
             self._backward_open = True
-            self._grads_missing = {}
-            self._grads_seen = set()
-            self._staged = {}
+            self.grads.begin_backward()
             self._order[Pass.BACKWARD] = []
             watch = self._watch() if self.use is not None else contextlib.nullcontext()
             if self.use is not None and self._quiet:  # a compiled graph reads the weights it saved hook-free
@@ -580,51 +534,13 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
 
     @unwatched
     def _finish_backward(self) -> None:
-        self._bucket_partly_used()
-        self.buckets.finish()
-        if not self.policy.ignore_unused_parameters and self.plan.shards_optimizer and not self.plan.shards_weights:
-            self._check_unused()
+        self.grads.finish_backward()
         if self.plan.shards_weights:
             self._drain_prefetches(Pass.BACKWARD)
             for unit in self.units:
                 self._release(unit, Pass.BACKWARD)
         self._backward_open = False
         self.strategies.backward_gather.settle()
-
-    def _check_unused(self) -> None:
-        """Stages 1-2 with ``ignore_unused_parameters: false`` (DeepSpeed's check): every trainable parameter must
-        have a gradient after each backward; the ranks agree (one all-reduce), so every rank raises."""
-        arrived = (lambda u, i, s: (u.index, i) in self._grads_seen) if self.plan.reduces_as_ready else \
-            (lambda u, i, s: s.param.grad is not None)
-        unused = [s.name for u in self._stepped for i, s in enumerate(u.slots)
-                  if s.param.requires_grad and not arrived(u, i, s)]
-        flags = torch.zeros(self.topo.world_size)
-        flags[self.topo.rank] = float(bool(unused))
-        self.comm.all_reduce(flags, self.topo.world, Phase.OTHER)
-        ranks = [r for r, f in enumerate(flags.tolist()) if f]
-        if ranks:
-            raise UnusedParametersError(
-                f"parameters {unused[:10] or '(on other ranks)'} got no gradient in this backward (rank(s) {ranks}): "
-                "they were not used to compute the loss. Set zero_optimization.ignore_unused_parameters to true (the "
-                "default) to train on without them, or remove them from the model or from model_parameters")
-
-    def _reduce_whole_gradients(self) -> None:
-        """Stages 0-1, at the boundary: reduce every accumulated full gradient into its shard.
-
-        A trainable parameter without a gradient on this rank contributes zeros, so every rank reduces the
-        same buckets in the same order even when some rank's forward skipped a module.
-        """
-        for unit in self.units:
-            for index, slot in enumerate(unit.slots):
-                p = slot.param
-                if not slot.trainable:  # (one frozen for this micro-step only still has its window's gradient)
-                    continue
-                grad = p.grad if p.grad is not None else torch.zeros(p.shape, dtype=self.policy.compute_dtype,
-                                                                     device=unit.device)
-                p.grad = None
-                self.order.note(REDUCE, unit.index, index)
-                self.buckets.add(unit, index, grad)
-        self.buckets.finish()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``step()`` steps the optimizer: every ``gradient_accumulation_steps`` micro-steps,
@@ -648,13 +564,6 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
         if self._backward_open:
             self._finish_backward()
 
-    def _got_grad_in_window(self, unit: Unit, index: int) -> bool:
-        """Whether the parameter got a gradient in this accumulation window (by its hook at stages 2-3, in its
-        accumulated ``.grad`` at stages 0-1)."""
-        if self.plan.reduces_as_ready:
-            return (unit.index, index) in self._window_seen
-        return unit.slots[index].param.grad is not None
-
     @unwatched  # the engine's own work: no torch-function mode need see the optimizer's calls
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, step the optimizer on the master shards."""
@@ -662,7 +571,7 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
         scale_before = self.loss_scale
         with self.timer.span("optimizer"):  # all of this call's work is in a span: untracked is the caller's
             # unfrozen since initialize: refused; frozen: refused at the boundary if it got no gradient in the window
-            check_requires_grad(self.units, self._got_grad_in_window if boundary else None)
+            check_requires_grad(self.units, self.grads.got_in_window if boundary else None)
             self._step_applied = False
             if self._backward_open:
                 with self.timer.span("backward"):
@@ -676,7 +585,7 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
             self.micro_steps = -(-self.micro_steps // gas) * gas
             after = self.policy.delayed_update_after
             self._step_window(delayed=after is not None and self.global_steps >= after)
-            self._step_applied = not self._skipped
+            self._step_applied = not self.stepper.skipped
         self.global_steps += 1
         self.strategies.reduce.end_step(self.loss_scale / scale_before)
         self.ledger.close_step()
@@ -685,6 +594,89 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
         self.gathered_weights.close_step()
         if self._print_every and self.global_steps % self._print_every == 0 and self.topo.rank == 0:
             print(f"[zeropp] {format_time_report(self.timer.report(), self.global_steps)}", flush=True)
+
+    def _step_window(self, delayed: bool, schedule: bool = True) -> None:
+        """The optimizer step that closes an accumulation window (stages 0-1 reduce their whole gradients
+        first); ``schedule=False`` leaves the learning-rate schedule where it is."""
+        if not self.plan.reduces_as_ready:
+            self.grads.reduce_whole(self.units)
+        if delayed:
+            self.join_update()  # the previous step's update becomes the next forward's weights
+        self.stepper.step(background=delayed, schedule=schedule)
+        self.grads.close_window()
+        self._restart_pending = False  # the step cleared the gradients
+
+    @unwatched
+    def step_optimizer_now(self) -> None:
+        """Step the optimizer on the gradients accumulated so far, whatever the micro-step count (DeepSpeed's
+        ``engine.optimizer.step()``). The step counters and the learning-rate schedule do not advance: that is
+        ``step()``'s part. Collective, as a boundary's step."""
+        scale_before = self.loss_scale
+        with self.timer.span("optimizer"):
+            if self._backward_open:
+                self._finish_backward()
+            self.join_update()
+            self._step_window(delayed=False, schedule=False)
+        self.strategies.reduce.end_step(self.loss_scale / scale_before)
+
+    def restart_accumulation(self) -> None:
+        """Make the next ``backward`` start a new accumulation (DeepSpeed's ``optimizer.zero_grad()``): the
+        gradients accumulated since the last optimizer step are dropped as it begins. Until then they stay as they
+        are, readable and steppable, as DeepSpeed keeps them."""
+        self._restart_pending = True
+
+    # ---- reports (zero/reports.py: functions over the engine's state) -------------------------------------
+    comm_report = reports.comm_report
+    time_report = reports.time_report
+    memory_report = reports.memory_report
+    model_state_bytes = reports.model_state_bytes
+    offload_report = reports.offload_report
+
+    # ---- the optimizer step's state (zero/optimizer_step.py) ---------------------------------------------
+    @property
+    def master_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer over this rank's fp32 master chunks."""
+        return self.stepper.optimizer
+
+    optimizer = master_optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.stepper.scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        self.stepper.scheduler = scheduler
+
+    @property
+    def loss_scaler(self) -> Any:
+        return self.stepper.loss_scaler
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 when not training in fp16)."""
+        return self.stepper.loss_scale
+
+    @property
+    def grad_unscale(self) -> float:
+        return self.stepper.grad_unscale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite gradient."""
+        return self.stepper.skipped_steps
+
+    def join_update(self) -> None:
+        """Wait for a delayed update still running and publish it (collective; a no-op when none is pending)."""
+        self.stepper.join_update()
+
+    def was_step_skipped(self) -> bool:
+        return self.stepper.skipped
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The global gradient norm before clipping, as computed at the last optimizer step."""
+        return self.stepper.global_grad_norm
+
 
     def restart_counts(self) -> None:
         """Count micro-steps and optimizer steps from 0 again, keeping the weights, the optimizer's state and
@@ -745,13 +737,14 @@ class ZeroEngine(OptimizerStep, EngineReports, nn.Module):
 
     def masters_changed(self) -> None:
         """After the fp32 masters were overwritten outside a step (a state-dict or checkpoint load)."""
-        self._publish_masters(Phase.OTHER, self.units)
+        self.stepper.publish_masters(Phase.OTHER, self.units)
 
     def unpartition(self) -> None:
         """Give the model back whole, hooks removed, and close (Note [leaving the model whole] in ``teardown.py``).
         Collective. ``initialize`` may then be called on the model again."""
         teardown.leave_whole(self)
-        self.units, self._stepped = [], []  # no longer the model's: it holds its own weights
+        self.units = []  # no longer the model's: it holds its own weights
+        self._stepped.clear()  # (the parts share this list)
 
     def close(self) -> None:
         """Wait for a delayed update, delete the NVMe offload files (also done at interpreter exit) and stop

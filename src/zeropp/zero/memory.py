@@ -295,13 +295,13 @@ def buffer_lines(engine: Any) -> dict[str, dict[str, Any]]:
         lines[name] = _line(sum(parts.values()), GATHERS_IN_FLIGHT * unit_max * gather_bytes_per_element(itemsize),
                             f"{GATHERS_IN_FLIGHT} gathers x the largest unit ({unit_max} elements) x "
                             f"{gather_bytes_per_element(itemsize)} B", parts)
-    if not engine.buckets.direct:  # a world of one reduces nothing and has no bucket
+    if not engine.grads.buckets.direct:  # a world of one reduces nothing and has no bucket
         parts = engine.strategies.reduce.buffer_bytes()
         per_bucket = engine.strategies.reduce.buffer_bound(bucket, _most_in(bucket, trainable), itemsize)
         lines["reduce"] = _line(sum(parts.values()), BUCKETS_IN_FLIGHT * per_bucket,
                                 f"{BUCKETS_IN_FLIGHT} buckets x the working set of a bucket of {bucket} elements "
                                 f"({per_bucket} B)", parts)
-        lines["grad_buckets"] = _line(engine.buckets.pool.nbytes(), BUCKETS_IN_FLIGHT * bucket * itemsize,
+        lines["grad_buckets"] = _line(engine.grads.buckets.pool.nbytes(), BUCKETS_IN_FLIGHT * bucket * itemsize,
                                       f"{BUCKETS_IN_FLIGHT} buckets x {bucket} elements x {itemsize} B "
                                       f"(reduce_bucket_size {engine.reduce_bucket_size}: Note [bucket size])")
     for name, source in _BUFFER_SOURCES.items():
@@ -373,7 +373,7 @@ def _model_state_bytes(engine: Any) -> dict[str, int]:
         "optimizer_state": 0,
         "gathered_params": sum(size(s.full) for u in engine.units for s in u.slots),
         "full_grads": sum(size(s.param.grad) for u in engine.units for s in u.slots),
-        "bucket_grads": engine.buckets.held_bytes(),
+        "bucket_grads": engine.grads.buckets.held_bytes(),
         "frozen_quantized": sum(size(u.quantized_state()) for u in engine.units),
     }
     for state in engine.master_optimizer.state.values():

@@ -1,7 +1,10 @@
-"""The optimizer step of :class:`~zeropp.zero.engine.ZeroEngine` at an accumulation boundary: unscale the
+"""The optimizer step at an accumulation boundary, a part the engine owns (:class:`OptimizerStep`): unscale the
 reduced gradient rows, take the global norm (whose all-reduce also checks the collective order), skip or clip,
 step the optimizer on the fp32 master shards (on a thread for the delayed update) and publish the masters as the
-next forward's weights. ``ZeroEngine.step`` decides when; this mixin does it.
+next forward's weights. ``ZeroEngine.step`` decides when; this part does it. It is handed what it works on
+(the units that step, the optimizer and schedule, the collectives, where states wait) and two calls back into
+the engine's weights: ``copy_back`` (a unit's 16-bit shard to its device) and ``gather_resident`` (stages 0-2:
+the full weights rebuilt from the shards).
 """
 from __future__ import annotations
 
@@ -13,92 +16,49 @@ from typing import Any, Callable, Optional
 import torch
 
 from zeropp.comm.ledger import Phase
+from zeropp.comm.ops import Comm
+from zeropp.config.policy import StagePlan, TrainPolicy
+from zeropp.offload.link import HostLink
+from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit
+from zeropp.topology import Topology
 from zeropp.zero.background import BackgroundUpdate
-from zeropp.zero.order_check import CollectiveOrderError
-from zeropp.zero.param_use import unwatched
+from zeropp.zero.order_check import CollectiveOrder, CollectiveOrderError
+from zeropp.zero.timing import StepTimer
 
 log = logging.getLogger("zeropp")
 
 
 class OptimizerStep:
-    """Mixed into :class:`~zeropp.zero.engine.ZeroEngine`, which provides the attributes below."""
+    """The step on the master shards of ``stepped`` (see the module docstring)."""
 
-    units: list[Unit]
-    _stepped: list[Unit]
-    _optimized: set[int]
-    master_optimizer: torch.optim.Optimizer
-    lr_scheduler: Any
-    policy: Any
-    plan: Any
-    topo: Any
-    comm: Any
-    order: Any
-    residency: Any
-    link: Any
-    timer: Any
-    loss_scaler: Any
-    shard_world: int
-    global_steps: int
-    _global_grad_norm: Optional[float]
-    _skipped: bool
-    skipped_steps: int
-    _update: Optional[BackgroundUpdate]
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, stepped: list[Unit],
+                 policy: TrainPolicy, plan: StagePlan, topo: Topology, comm: Comm, order: CollectiveOrder,
+                 residency: Resident, link: HostLink, timer: StepTimer, copy_back: Callable[[Unit], None],
+                 gather_resident: Callable[[Phase], None], step_number: Callable[[], int]) -> None:
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.stepped = stepped  # units with gradient rows and a step (not frozen); [] once the model is whole
+        # master views the optimizer updates (frozen or left-out parameters are not among them)
+        self.optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.policy, self.plan, self.topo, self.comm, self.order = policy, plan, topo, comm, order
+        self.residency, self.link, self.timer = residency, link, timer
+        self.loss_scaler = policy.loss_scaler
+        self._copy_back, self._gather_resident, self._step_number = copy_back, gather_resident, step_number
+        self.shard_world = topo.world_size if plan.shards_optimizer else 1
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
+        self.skipped = False  # the last step was skipped
+        self.global_grad_norm: Optional[float] = None
+        self._update: Optional[BackgroundUpdate] = None
 
-    _backward_open: bool
-    _restart_pending: bool
-    _window_seen: set
-    strategies: Any
-
-    _copy_back: Callable[[Unit], None]
-    _gather_resident: Callable[[Phase], None]
-    _finish_backward: Callable[[], None]
-    _reduce_whole_gradients: Callable[[], None]
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer over this rank's fp32 master chunks (``master_optimizer``)."""
-        return self.master_optimizer
-
-    def _step_window(self, delayed: bool, schedule: bool = True) -> None:
-        """The optimizer step that closes an accumulation window (stages 0-1 reduce their whole gradients
-        first); ``schedule=False`` leaves the learning-rate schedule where it is."""
-        if not self.plan.reduces_as_ready:
-            self._reduce_whole_gradients()
-        if delayed:
-            self.join_update()  # the previous step's update becomes the next forward's weights
-        self._optimizer_step(background=delayed, schedule=schedule)
-        self._window_seen = set()
-        self._restart_pending = False  # the step cleared the gradients
-
-    @unwatched
-    def step_optimizer_now(self) -> None:
-        """Step the optimizer on the gradients accumulated so far, whatever the micro-step count (DeepSpeed's
-        ``engine.optimizer.step()``). The step counters and the learning-rate schedule do not advance: that is
-        ``step()``'s part. Collective, as a boundary's step."""
-        scale_before = self.loss_scale
-        with self.timer.span("optimizer"):
-            if self._backward_open:
-                self._finish_backward()
-            self.join_update()
-            self._step_window(delayed=False, schedule=False)
-        self.strategies.reduce.end_step(self.loss_scale / scale_before)
-
-    def restart_accumulation(self) -> None:
-        """Make the next ``backward`` start a new accumulation (DeepSpeed's ``optimizer.zero_grad()``): the
-        gradients accumulated since the last optimizer step are dropped as it begins. Until then they stay as they
-        are, readable and steppable, as DeepSpeed keeps them."""
-        self._restart_pending = True
-
-    def _drop_gradients(self) -> None:
+    def drop_gradients(self) -> None:
         """Drop the accumulated gradients: the whole ones of stages 0-1 and the reduced rows of stages 2-3."""
-        self._restart_pending = False
-        for u in self._stepped:
+        for u in self.stepped:
             for slot in u.slots:
                 slot.param.grad = None
-        self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)
+        self.residency.clear_grads(self.stepped, keep_rows=self.plan.shards_weights)
 
-    def _optimizer_step(self, background: bool = False, schedule: bool = True) -> None:
+    def step(self, background: bool = False, schedule: bool = True) -> None:
         """Unscale, take the global norm, skip or clip, then update the masters (and, with ``schedule``, step
         the learning-rate schedule).
 
@@ -127,21 +87,21 @@ class OptimizerStep:
             return g
 
         norm = self._global_norm(fp32_grad)
-        self._global_grad_norm = norm
-        self._skipped = not math.isfinite(norm)
-        self.skipped_steps += self._skipped
+        self.global_grad_norm = norm
+        self.skipped = not math.isfinite(norm)
+        self.skipped_steps += self.skipped
         if self.loss_scaler is not None:
-            self._note_overflow(self._skipped)
-        elif self._skipped:
+            self._note_overflow(self.skipped)
+        elif self.skipped:
             self._report_non_finite()
-        if not self._skipped:
+        if not self.skipped:
             clip = self.policy.gradient_clipping
             coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
             if background:
-                self._set_master_grads(self._stepped, fp32_grad, coef)
+                self._set_master_grads(self.stepped, fp32_grad, coef)
                 self._update = BackgroundUpdate(self._apply_update)
             else:
-                for group in self.residency.optimizer_pass(self._stepped):
+                for group in self.residency.optimizer_pass(self.stepped):
                     self._set_master_grads(group, fp32_grad, coef)
                     fused = self._step_group(group)
                     for u in group:
@@ -149,19 +109,19 @@ class OptimizerStep:
                             view.grad = None
                         u.refresh_shard_from_master(recast=u not in fused)
                         self._copy_back(u)
-                if self.lr_scheduler is not None and schedule:
-                    self.lr_scheduler.step()
+                if self.scheduler is not None and schedule:
+                    self.scheduler.step()
                 if not self.plan.shards_weights:
                     self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
         # the optimizer held its own fp32 copies; stages 0-2 hold no rows between steps
-        self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)
+        self.residency.clear_grads(self.stepped, keep_rows=self.plan.shards_weights)
 
     def _global_norm(self, fp32_grad: Callable[[Unit], torch.Tensor]) -> float:
         """The gradients' global L2 norm; the same all-reduce checks that every rank issued the same
         collectives this step (Note [collective order]) before any gradient is used."""
-        device = self.units[0].device if self.units else None
+        device = self.stepped[0].device if self.stepped else None
         sq = torch.zeros(1, dtype=torch.float64, device=device)
-        for group in self.residency.grad_pass(self._stepped):  # squared norms summed in fp64, no fp64 copies
+        for group in self.residency.grad_pass(self.stepped):  # squared norms summed in fp64, no fp64 copies
             for u in group:
                 sq += torch.linalg.vector_norm(fp32_grad(u), dtype=torch.float64).square()
         if self.shard_world == 1:  # stage 0 holds whole gradients, identical on every rank, and reduced them
@@ -172,7 +132,7 @@ class OptimizerStep:
         try:
             self.order.check(both[1:].tolist(), self.topo.world_size)
         except CollectiveOrderError:
-            self.residency.clear_grads(self._stepped, keep_rows=self.plan.shards_weights)  # mixed: never used
+            self.residency.clear_grads(self.stepped, keep_rows=self.plan.shards_weights)  # mixed: never used
             raise
         return math.sqrt(both[0].item())
 
@@ -180,20 +140,20 @@ class OptimizerStep:
         """``optimizer.step()``; returns the units whose 16-bit shard it also wrote. A host optimizer with
         ``step_and_copy`` (CpuAdam) writes the recast of a shard that sits beside its master in the same pass
         over memory (ZeRO-Offload's copy-back), instead of a second pass reading every master again."""
-        copy = getattr(self.master_optimizer, "step_and_copy", None)
+        copy = getattr(self.optimizer, "step_and_copy", None)
         out16: dict[torch.Tensor, torch.Tensor] = {}
         fused: set[Unit] = set()
         if copy is not None:
             for u in units:
                 views = u.host_shard_views()
                 # a view the optimizer does not step would keep whatever the shard held: recast those units
-                if views is not None and all(id(v) in self._optimized for v in u.master_views()):
+                if views is not None and all(id(v) in self.optimized for v in u.master_views()):
                     out16.update(zip(u.master_views(), views))
                     fused.add(u)
         if out16:
             copy(out16)
         else:
-            self.master_optimizer.step()
+            self.optimizer.step()
         return fused
 
     @staticmethod
@@ -214,7 +174,7 @@ class OptimizerStep:
         self.loss_scaler.update(overflow)
         if overflow and self.topo.rank == 0:
             log.warning("fp16 gradient overflow: step %d skipped, loss scale %g -> %g",
-                        self.global_steps, before, self.loss_scaler.scale)
+                        self._step_number(), before, self.loss_scaler.scale)
 
     @property
     def loss_scale(self) -> float:
@@ -231,14 +191,14 @@ class OptimizerStep:
 
     def _apply_update(self) -> None:
         """The optimizer and scheduler step on the fp32 masters (no collective: may run on a thread)."""
-        self.master_optimizer.step()
-        for group in self.master_optimizer.param_groups:
+        self.optimizer.step()
+        for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
-    def _publish_masters(self, phase: Phase, units: list[Unit]) -> None:
+    def publish_masters(self, phase: Phase, units: list[Unit]) -> None:
         """Make the masters of ``units`` the weights: recast the 16-bit shards, bump versions (stale hpZ
         slices), and in stages 0-2 rebuild the resident full weights. Collective for stages 0-2."""
         self.link.settle()  # the staged rows are rewritten below
@@ -260,23 +220,15 @@ class OptimizerStep:
             return
         update, self._update = self._update, None
         update.wait()
-        self._publish_masters(Phase.FORWARD_GATHER, self._stepped)  # a step leaves frozen units as they were
+        self.publish_masters(Phase.FORWARD_GATHER, self.stepped)  # a step leaves frozen units as they were
         self.link.settle()
 
     def _report_non_finite(self) -> None:
         bad = []
-        for u in self._stepped:
+        for u in self.stepped:
             with self.residency.resident([u], dirty=False):
                 bad += [s.name for s, g in zip(u.slots, u.grad_views()) if not torch.isfinite(g).all()]
         where = f"non-finite gradient shard on rank {self.topo.rank} in: {', '.join(bad)}" if bad else (
             "non-finite gradient on another rank")
-        warnings.warn(f"step {self.global_steps} skipped: global gradient norm is not finite ({where})",
+        warnings.warn(f"step {self._step_number()} skipped: global gradient norm is not finite ({where})",
                       RuntimeWarning, stacklevel=3)
-
-    def was_step_skipped(self) -> bool:
-        return self._skipped
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        """The global gradient norm before clipping, as computed at the last optimizer step."""
-        return self._global_grad_norm
-

@@ -36,7 +36,8 @@ from zeropp.deepspeed.checkpoint_io import load_deepspeed
 from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
 from zeropp.deepspeed.runtime.zero.zero_optimizer import ZeroOptimizerView, zero_optimizer_view
 from zeropp.deepspeed.utils.timer import ThroughputTimer
-from zeropp.zero.engine import UnusedParametersError, ZeroEngine
+from zeropp.zero.engine import ZeroEngine
+from zeropp.zero.grad_intake import UnusedParametersError
 
 
 class ZeroppEngine(ZeroEngine):
