@@ -37,10 +37,9 @@ from zeropp.plus.qgz import QuantizedReduce
 from zeropp.plus.qwz import QuantizedGather
 from zeropp.topology import Group
 from zeropp.zero import init_context
-from zeropp.config.policy import TrainPolicy
+from zeropp.config.policy import TrainPolicy, resolve
 from zeropp.zero.engine import ZeroEngine
 from zeropp.zero.strategies import Strategies
-from zeropp.zero.loss_scaler import LossScaler
 
 
 def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
@@ -82,31 +81,9 @@ def _loco(zero: ZeroConfig) -> Optional[Loco]:
     return Loco(p.err_beta, p.reset_T, zero.quantization_block_size) if p is not None else None
 
 
-def _precision(cfg: ZeroppConfig) -> tuple[torch.dtype, Optional[LossScaler]]:
-    """The compute dtype and, for fp16, the loss scaler."""
-    if cfg.fp16.enabled:
-        f = cfg.fp16
-        scaler = LossScaler.from_config(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
-                                        f.min_loss_scale)
-        return torch.float16, scaler
-    return (torch.bfloat16 if cfg.bf16.enabled else torch.float32), None
-
-
-def _delayed_update_after(zero: ZeroConfig) -> Optional[int]:
-    """Optimizer steps before delayed parameter updates start, or None when DPU is off."""
-    off = zero.offload_optimizer
-    return off.delayed_update_warmup_steps if off is not None and off.delayed_update else None
-
-
 def _model_device(model: nn.Module) -> torch.device:
     first = next(model.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
-
-
-def _pin_memory(zero: ZeroConfig) -> bool:
-    """Page-locked host rows when either offload section asks for them."""
-    return any(section is not None and section.device != "none" and section.pin_memory
-               for section in (zero.offload_optimizer, zero.offload_param))
 
 
 def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
@@ -172,10 +149,9 @@ def build(
     zero = cfg.zero_optimization
     topo = topo_mod.build(cfg.topology.ranks_per_node, zero.zero_hpz_partition_size, timeout=timeout)
     crash_report.install(topo.rank, topo.world_size)  # Note [crash report]: a fatal signal names this rank
-    batch = cfg.resolve_batch(topo.world_size)
     ledger = CommLedger()
     comm = Comm(topo, ledger)
-    policy = _train_policy(cfg, batch.gradient_accumulation_steps)
+    policy = resolve(cfg, topo.world_size, model)
     compute_dtype, offload = policy.compute_dtype, policy.offload_optimizer
     trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
     make_optimizer = _optimizer_factory(optimizer, dict(model.named_parameters()), cfg, policy)
@@ -183,7 +159,7 @@ def build(
     # NVMe files are created and their space reserved now: a bad path fails before any work
     residency = build_residency(zero, model, topo.world_size if zero.stage >= 1 else 1, compute_dtype, topo.rank)
     try:
-        link = build_link(_model_device(model), offload or policy.offload_param, _pin_memory(zero))
+        link = build_link(_model_device(model), offload or policy.offload_param, policy.pin_memory)
         with init_context.paused():  # built inside zero.Init: the engine is not a module being built
             engine = engine_class(
                 model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
@@ -243,35 +219,6 @@ def _mark_leaves(model: nn.Module, zero: ZeroConfig) -> None:
             warnings.warn(f"zero_optimization.stage3_module_granularity_threshold: {threshold} is under every "
                           f"module's granularity (the smallest is {finest}), so no module becomes a leaf",
                           stacklevel=3)
-
-
-def _train_policy(cfg: ZeroppConfig, gradient_accumulation_steps: int) -> TrainPolicy:
-    """The engine's policy: precision, accumulation, clipping, buckets, stage, offload and gather units."""
-    zero = cfg.zero_optimization
-    compute_dtype, scaler = _precision(cfg)
-    return TrainPolicy(
-        compute_dtype=compute_dtype,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        gradient_clipping=cfg.gradient_clipping,
-        reduce_bucket_size=zero.reduce_bucket_size,
-        stage=zero.stage,
-        loss_scaler=scaler,
-        delayed_update_after=_delayed_update_after(zero),
-        offload_optimizer=zero.offload_optimizer is not None and zero.offload_optimizer.device != "none",
-        offload_param=zero.offload_param is not None and zero.offload_param.device != "none",
-        gather_granularity=zero.gather_granularity,
-        prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
-        max_live_parameters=zero.stage3_max_live_parameters,
-        persistence_threshold=zero.stage3_param_persistence_threshold,
-        model_persistence_threshold=zero.stage3_model_persistence_threshold,
-        broadcast_rank0=cfg.broadcast_rank0_weights,
-        # prescale_gradients: the whole mean before the reduction (DeepSpeed divides by the world there)
-        grad_predivide=float(torch.distributed.get_world_size()) if cfg.prescale_gradients
-        else cfg.gradient_predivide_factor,
-        grad_sum=cfg.gradient_allreduce_op == "sum",
-        ignore_unused_parameters=zero.ignore_unused_parameters,
-        sanity_checks=zero.enable_sanity_checks,
-    )
 
 
 def _hidden_size(model: nn.Module) -> Optional[int]:

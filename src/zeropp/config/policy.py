@@ -1,13 +1,22 @@
-"""The engine's policy: the config settled against the world and the model, once (:func:`resolve`)."""
+"""The engine's policy: the config settled against the world and the model, once (:func:`resolve`).
+
+The engine and its reports read :class:`TrainPolicy`, never the raw config: every default that depends on the
+world or the model (the batch split, the reduce bucket size, the pre-division of ``prescale_gradients``) and
+every derived switch is decided here. A new key is read in ``schema.py``, settled here, and used by the part it
+concerns.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from zeropp.zero.loss_scaler import LossScaler
+from zeropp.config.buckets import default_reduce_bucket_size
+from zeropp.config.loader import ZeroppConfig
+from zeropp.config.schema import ZeroConfig
+from zeropp.partition.spec import ShardSpec
 
 
 @dataclass(frozen=True)
@@ -33,15 +42,28 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class LossScaling:
+    """fp16's loss scale: fixed (``loss_scale`` > 0) or dynamic from ``2 ** initial_scale_power``."""
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class TrainPolicy:
-    """The numeric settings of a training step."""
+    """The settings of a training step, settled (:func:`resolve`)."""
 
     compute_dtype: torch.dtype = torch.float32
     gradient_accumulation_steps: int = 1
+    micro_batch_per_rank: int = 1
+    train_batch_size: int = 1  # samples per optimizer step over all ranks and accumulation steps
     gradient_clipping: float = 0.0
-    reduce_bucket_size: Optional[int] = None  # 16-bit gradient elements in buckets; None: sized from the model
+    reduce_bucket_size: int = 1_000_000  # 16-bit gradient elements in buckets (Note [bucket size])
     stage: int = 3
-    loss_scaler: Optional[LossScaler] = None  # fp16 only
+    loss_scaling: Optional[LossScaling] = None  # fp16 only
     delayed_update_after: Optional[int] = None  # DPU: optimizer steps before updates run in the background
     offload_optimizer: bool = False  # fp32 masters, optimizer state and gradient rows on the host
     offload_param: bool = False  # stage 3's 16-bit shards on the host (or on NVMe through the residency)
@@ -55,3 +77,66 @@ class TrainPolicy:
     grad_sum: bool = False  # the step uses the ranks' summed gradient instead of their mean
     ignore_unused_parameters: bool = True  # stages 1-2, False: a trainable parameter without gradient raises
     sanity_checks: bool = False  # any write in a read-only GatheredParameters raises, not only a changed value
+    pin_memory: bool = False  # offloaded host rows page-locked
+    print_every: int = 0  # wall_clock_breakdown: the time report printed every this many steps (0: never)
+
+
+def resolve(cfg: ZeroppConfig, world_size: int, model: nn.Module) -> TrainPolicy:
+    """The engine's policy for ``cfg`` on ``world_size`` ranks and ``model`` (collective-free, no side effect).
+
+    Raises the config's errors for a batch split that does not fit the world (``ZeroppConfig.resolve_batch``).
+    """
+    zero = cfg.zero_optimization
+    batch = cfg.resolve_batch(world_size)
+    compute_dtype, loss_scaling = _precision(cfg)
+    return TrainPolicy(
+        compute_dtype=compute_dtype,
+        gradient_accumulation_steps=batch.gradient_accumulation_steps,
+        micro_batch_per_rank=batch.micro_batch_per_rank,
+        train_batch_size=batch.train_batch_size,
+        gradient_clipping=cfg.gradient_clipping,
+        reduce_bucket_size=zero.reduce_bucket_size if zero.reduce_bucket_size is not None
+        else default_reduce_bucket_size(_trainable_elements(model, world_size if zero.stage >= 1 else 1)),
+        stage=zero.stage,
+        loss_scaling=loss_scaling,
+        delayed_update_after=_delayed_update_after(zero),
+        offload_optimizer=_offloads(zero.offload_optimizer),
+        offload_param=_offloads(zero.offload_param),
+        gather_granularity=zero.gather_granularity,
+        prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+        max_live_parameters=zero.stage3_max_live_parameters,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+        model_persistence_threshold=zero.stage3_model_persistence_threshold,
+        broadcast_rank0=cfg.broadcast_rank0_weights,
+        # prescale_gradients: the whole mean before the reduction (DeepSpeed divides by the world there)
+        grad_predivide=float(world_size) if cfg.prescale_gradients else cfg.gradient_predivide_factor,
+        grad_sum=cfg.gradient_allreduce_op == "sum",
+        ignore_unused_parameters=zero.ignore_unused_parameters,
+        sanity_checks=zero.enable_sanity_checks,
+        pin_memory=any(_offloads(s) and s.pin_memory for s in (zero.offload_optimizer, zero.offload_param)),
+        print_every=cfg.steps_per_print if cfg.wall_clock_breakdown else 0,
+    )
+
+
+def _precision(cfg: ZeroppConfig) -> tuple[torch.dtype, Optional[LossScaling]]:
+    """The compute dtype and, for fp16, its loss scaling."""
+    if cfg.fp16.enabled:
+        f = cfg.fp16
+        return torch.float16, LossScaling(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
+                                          f.min_loss_scale)
+    return (torch.bfloat16 if cfg.bf16.enabled else torch.float32), None
+
+
+def _offloads(section: object) -> bool:
+    return section is not None and getattr(section, "device") != "none"
+
+
+def _delayed_update_after(zero: ZeroConfig) -> Optional[int]:
+    """Optimizer steps before delayed parameter updates start, or None when DPU is off."""
+    off = zero.offload_optimizer
+    return off.delayed_update_warmup_steps if off is not None and off.delayed_update else None
+
+
+def _trainable_elements(model: nn.Module, shard_world: int) -> int:
+    """Padded elements of the trainable parameters (Note [shard layout]): what the default bucket follows."""
+    return sum(ShardSpec(p.numel(), p.shape, shard_world).padded for p in model.parameters() if p.requires_grad)

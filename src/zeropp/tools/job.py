@@ -238,7 +238,7 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
     model = GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd))
     numels = [p.numel() for p in model.parameters()]
     engine, _, _, _ = zeropp.initialize(model=model, config=cfg)
-    micro = engine.config.resolve_batch(world)  # validated once, by initialize
+    micro = engine.policy  # the batch split, settled once by initialize (config/policy.py)
     global_batch = micro.micro_batch_per_rank * world
     tokens = corpus_tokens()
     if rank == 0:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from zeropp.config.buckets import bucket_capacity, default_reduce_bucket_size
+from zeropp.config.buckets import bucket_capacity
 from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather
@@ -137,11 +137,8 @@ class ZeroEngine(nn.Module):
         self.use = ParamUse(module, self.units, lambda u: self._gather(u, self._pass()),
                             lambda u: self._release(u, self._pass()),
                             lambda: self._backward_open) if self.plan.shards_weights else None
-        trainable_elements = sum(s.spec.padded for u in self._stepped for s in u.slots if s.param.requires_grad)
-        self.reduce_bucket_size = policy.reduce_bucket_size if policy.reduce_bucket_size is not None \
-            else default_reduce_bucket_size(trainable_elements)  # Note [bucket size]
         self.order = CollectiveOrder()  # Note [collective order]
-        buckets = GradBuckets(strategies.reduce, self.shard_world, bucket_capacity(self.reduce_bucket_size),
+        buckets = GradBuckets(strategies.reduce, self.shard_world, bucket_capacity(policy.reduce_bucket_size),
                               self.residency, self.link if policy.offload_optimizer else HostLink(),
                               direct=topo.world_size == 1)
         self.grads = GradIntake(buckets, self.order, stepped=self._stepped, policy=policy, plan=self.plan, topo=topo,
@@ -161,8 +158,6 @@ class ZeroEngine(nn.Module):
             self._cut_copies()
         self.ledger.reset()  # set-up traffic is not a training step
         self.timer.reset()
-        breakdown = config is not None and getattr(config, "wall_clock_breakdown", False)
-        self._print_every = int(getattr(config, "steps_per_print", 10)) if breakdown else 0
         gathered.track(self)  # so zeropp.zero.GatheredParameters finds the engine of a parameter
 
     # ---- construction ------------------------------------------------------------------------------------
@@ -592,7 +587,7 @@ class ZeroEngine(nn.Module):
         self.timer.close_step()
         self.activations.close_step()
         self.gathered_weights.close_step()
-        if self._print_every and self.global_steps % self._print_every == 0 and self.topo.rank == 0:
+        if self.policy.print_every and self.global_steps % self.policy.print_every == 0 and self.topo.rank == 0:
             print(f"[zeropp] {format_time_report(self.timer.report(), self.global_steps)}", flush=True)
 
     def _step_window(self, delayed: bool, schedule: bool = True) -> None:
@@ -633,6 +628,11 @@ class ZeroEngine(nn.Module):
     offload_report = reports.offload_report
 
     # ---- the optimizer step's state (zero/optimizer_step.py) ---------------------------------------------
+    @property
+    def reduce_bucket_size(self) -> int:
+        """16-bit gradient elements the reduce buckets hold (Note [bucket size] in ``config/buckets.py``)."""
+        return self.policy.reduce_bucket_size
+
     @property
     def master_optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's fp32 master chunks."""

@@ -283,7 +283,7 @@ def buffer_lines(engine: Any) -> dict[str, dict[str, Any]]:
     units = engine.units
     unit_max = max((unit_elements(u) for u in units), default=0)
     trainable = [s.spec.padded for u in units if u.steps for s in u.slots if s.param.requires_grad]
-    bucket = min(largest_bucket(engine.reduce_bucket_size, max(trainable, default=0)), sum(trainable))
+    bucket = min(largest_bucket(engine.policy.reduce_bucket_size, max(trainable, default=0)), sum(trainable))
     lines: dict[str, dict[str, Any]] = {}
     seen: set[int] = set()
     for name, strategy in (("forward_gather", engine.strategies.forward_gather),
@@ -303,7 +303,7 @@ def buffer_lines(engine: Any) -> dict[str, dict[str, Any]]:
                                 f"({per_bucket} B)", parts)
         lines["grad_buckets"] = _line(engine.grads.buckets.pool.nbytes(), BUCKETS_IN_FLIGHT * bucket * itemsize,
                                       f"{BUCKETS_IN_FLIGHT} buckets x {bucket} elements x {itemsize} B "
-                                      f"(reduce_bucket_size {engine.reduce_bucket_size}: Note [bucket size])")
+                                      f"(reduce_bucket_size {engine.policy.reduce_bucket_size}: Note [bucket size])")
     for name, source in _BUFFER_SOURCES.items():
         parts = source()
         lines[name] = _line(sum(parts.values()), sum(parts.values()), "preallocated to its configured size",

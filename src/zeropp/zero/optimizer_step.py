@@ -23,6 +23,7 @@ from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit
 from zeropp.topology import Topology
 from zeropp.zero.background import BackgroundUpdate
+from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.order_check import CollectiveOrder, CollectiveOrderError
 from zeropp.zero.timing import StepTimer
 
@@ -43,7 +44,9 @@ class OptimizerStep:
         self.optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self.policy, self.plan, self.topo, self.comm, self.order = policy, plan, topo, comm, order
         self.residency, self.link, self.timer = residency, link, timer
-        self.loss_scaler = policy.loss_scaler
+        s = policy.loss_scaling  # fp16 only
+        self.loss_scaler = LossScaler.from_config(s.loss_scale, s.initial_scale_power, s.window, s.hysteresis,
+                                                  s.min_scale) if s is not None else None
         self._copy_back, self._gather_resident, self._step_number = copy_back, gather_resident, step_number
         self.shard_world = topo.world_size if plan.shards_optimizer else 1
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient

@@ -69,15 +69,12 @@ class ZeroppEngine(ZeroEngine):
         """Where the model computes (its first parameter's device; the host for a model without any)."""
         return self.units[0].device if self.units else torch.device("cpu")
 
-    def _batch(self) -> Any:
-        return self.config.resolve_batch(self.topo.world_size)
-
     def train_batch_size(self) -> int:
         """Samples per optimizer step over all ranks and accumulation steps."""
-        return self._batch().train_batch_size
+        return self.policy.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self._batch().micro_batch_per_rank
+        return self.policy.micro_batch_per_rank
 
     def gradient_accumulation_steps(self) -> int:
         return self.policy.gradient_accumulation_steps
@@ -88,8 +85,8 @@ class ZeroppEngine(ZeroEngine):
 
     def get_batch_info(self) -> tuple[int, int, int]:
         """(train batch size, micro-batch per rank, gradient accumulation steps)."""
-        b = self._batch()
-        return b.train_batch_size, b.micro_batch_per_rank, self.policy.gradient_accumulation_steps
+        p = self.policy
+        return p.train_batch_size, p.micro_batch_per_rank, p.gradient_accumulation_steps
 
     @property
     def global_samples(self) -> int:
@@ -126,7 +123,8 @@ class ZeroppEngine(ZeroEngine):
 
     def dynamic_loss_scale(self) -> bool:
         """fp16 with a dynamic loss scale (``fp16.loss_scale`` 0)."""
-        return self.loss_scaler is not None and self.config.fp16.loss_scale == 0
+        s = self.policy.loss_scaling
+        return s is not None and s.loss_scale == 0
 
     def amp_enabled(self) -> bool:
         return False  # Apex AMP: the config refuses it
@@ -155,7 +153,7 @@ class ZeroppEngine(ZeroEngine):
 
     def zero_reduce_bucket_size(self) -> int:
         """The reduce bucket size in use (sized from the model when the config leaves it out: Note [bucket size])."""
-        return self.reduce_bucket_size
+        return self.policy.reduce_bucket_size
 
     def zero_allgather_bucket_size(self) -> int:
         return self.config.zero_optimization.allgather_bucket_size
