@@ -72,6 +72,21 @@ class Pass(enum.Enum):
 _LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
 
 
+class _Delegated:
+    """An engine attribute that is one of its parts' (``part.name``), read-only unless ``writable``."""
+
+    def __init__(self, part: str, name: str, doc: str, writable: bool = False) -> None:
+        self.part, self.name, self.writable, self.__doc__ = part, name, writable, doc
+
+    def __get__(self, engine: Any, owner: Any = None) -> Any:
+        return self if engine is None else getattr(getattr(engine, self.part), self.name)
+
+    def __set__(self, engine: Any, value: Any) -> None:
+        if not self.writable:
+            raise AttributeError(f"engine.{self.name} is read-only (it is engine.{self.part}.{self.name})")
+        setattr(getattr(engine, self.part), self.name, value)
+
+
 class ZeroEngine(nn.Module):
     """Wraps a model for ZeRO training (stage 0-3); build it with :func:`zeropp.api.build` (or
     :func:`zeropp.initialize`, which returns it with DeepSpeed's accessors: ``zeropp/deepspeed/runtime/engine.py``).
@@ -627,44 +642,18 @@ class ZeroEngine(nn.Module):
     model_state_bytes = reports.model_state_bytes
     offload_report = reports.offload_report
 
-    # ---- the optimizer step's state (zero/optimizer_step.py) ---------------------------------------------
-    @property
-    def reduce_bucket_size(self) -> int:
-        """16-bit gradient elements the reduce buckets hold (Note [bucket size] in ``config/buckets.py``)."""
-        return self.policy.reduce_bucket_size
-
-    @property
-    def master_optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer over this rank's fp32 master chunks."""
-        return self.stepper.optimizer
-
+    # ---- the parts' state (zero/optimizer_step.py, config/policy.py) ----------------------------------------
+    # what the parts hold, read (and the schedule replaced) through the engine
+    reduce_bucket_size = _Delegated("policy", "reduce_bucket_size", "16-bit gradient elements the reduce buckets "
+                                    "hold (Note [bucket size] in config/buckets.py)")
+    master_optimizer = _Delegated("stepper", "optimizer", "The torch optimizer over this rank's fp32 master chunks")
     optimizer = master_optimizer
-
-    @property
-    def lr_scheduler(self) -> Any:
-        return self.stepper.scheduler
-
-    @lr_scheduler.setter
-    def lr_scheduler(self, scheduler: Any) -> None:
-        self.stepper.scheduler = scheduler
-
-    @property
-    def loss_scaler(self) -> Any:
-        return self.stepper.loss_scaler
-
-    @property
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 when not training in fp16)."""
-        return self.stepper.loss_scale
-
-    @property
-    def grad_unscale(self) -> float:
-        return self.stepper.grad_unscale
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped for a non-finite gradient."""
-        return self.stepper.skipped_steps
+    lr_scheduler = _Delegated("stepper", "scheduler", "The learning-rate schedule (a Trainer may replace it)",
+                              writable=True)
+    loss_scaler = _Delegated("stepper", "loss_scaler", "fp16's loss scaler (None otherwise)")
+    loss_scale = _Delegated("stepper", "loss_scale", "The current fp16 loss scale (1.0 when not training in fp16)")
+    grad_unscale = _Delegated("stepper", "grad_unscale", "The factor from a reduced gradient row to the step's gradient")
+    skipped_steps = _Delegated("stepper", "skipped_steps", "Optimizer steps skipped for a non-finite gradient")
 
     def join_update(self) -> None:
         """Wait for a delayed update still running and publish it (collective; a no-op when none is pending)."""
@@ -676,7 +665,6 @@ class ZeroEngine(nn.Module):
     def get_global_grad_norm(self) -> Optional[float]:
         """The global gradient norm before clipping, as computed at the last optimizer step."""
         return self.stepper.global_grad_norm
-
 
     def restart_counts(self) -> None:
         """Count micro-steps and optimizer steps from 0 again, keeping the weights, the optimizer's state and

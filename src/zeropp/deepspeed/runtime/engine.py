@@ -40,6 +40,14 @@ from zeropp.zero.engine import ZeroEngine
 from zeropp.zero.grad_intake import UnusedParametersError
 
 
+def _policy(field: str, doc: str) -> Any:
+    """A DeepSpeed accessor method that answers one field of the engine's policy."""
+    def read(self: ZeroEngine) -> Any:
+        return getattr(self.policy, field)
+    read.__doc__ = doc
+    return read
+
+
 class ZeroppEngine(ZeroEngine):
     """zeropp's engine with DeepSpeed's accessors and checkpoint methods (see the module docstring)."""
 
@@ -69,16 +77,6 @@ class ZeroppEngine(ZeroEngine):
         """Where the model computes (its first parameter's device; the host for a model without any)."""
         return self.units[0].device if self.units else torch.device("cpu")
 
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all ranks and accumulation steps."""
-        return self.policy.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.policy.micro_batch_per_rank
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.policy.gradient_accumulation_steps
-
     def get_lr(self) -> list[float]:
         """The learning rate of each optimizer parameter group."""
         return [group["lr"] for group in self.master_optimizer.param_groups]
@@ -87,6 +85,18 @@ class ZeroppEngine(ZeroEngine):
         """(train batch size, micro-batch per rank, gradient accumulation steps)."""
         p = self.policy
         return p.train_batch_size, p.micro_batch_per_rank, p.gradient_accumulation_steps
+
+    # settings as the engine's policy settled them (config/policy.py)
+    train_batch_size = _policy("train_batch_size", "Samples per optimizer step over all ranks and accumulation steps.")
+    train_micro_batch_size_per_gpu = _policy("micro_batch_per_rank", "Samples per micro-step on this rank.")
+    gradient_accumulation_steps = _policy("gradient_accumulation_steps", "Micro-steps per optimizer step.")
+    gradient_clipping = _policy("gradient_clipping", "The global norm gradients are clipped to (0: none).")
+    gradient_predivide_factor = _policy("grad_predivide", "What gradients are divided by before the reduction.")
+    zero_offload_optimizer = _policy("offload_optimizer", "Whether the optimizer's state waits on the host.")
+    zero_offload_param = _policy("offload_param", "Whether stage 3's 16-bit shards wait on the host.")
+    zero_reduce_bucket_size = _policy("reduce_bucket_size", "The reduce bucket size in use (sized from the model "
+                                      "when the config leaves it out: Note [bucket size]).")
+    zero_optimization_stage = _policy("stage", "The ZeRO stage.")
 
     @property
     def global_samples(self) -> int:
@@ -108,12 +118,6 @@ class ZeroppEngine(ZeroEngine):
         return 1  # no model parallelism
 
     mpu = None  # DeepSpeed's model-parallel unit: none
-
-    def gradient_clipping(self) -> float:
-        return self.policy.gradient_clipping
-
-    def gradient_predivide_factor(self) -> float:
-        return self.policy.grad_predivide
 
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
@@ -140,29 +144,16 @@ class ZeroppEngine(ZeroEngine):
     def zero_optimization_partition_weights(self) -> bool:
         return self.policy.stage >= 3
 
-    def zero_offload_optimizer(self) -> bool:
-        return bool(self.policy.offload_optimizer)
-
-    def zero_offload_param(self) -> bool:
-        return bool(self.policy.offload_param)
-
     def zero_cpu_offload(self) -> bool:
         """Whether the optimizer runs on the host (``offload_optimizer.device`` "cpu")."""
         off = self.config.zero_optimization.offload_optimizer
         return off is not None and off.device == "cpu"
-
-    def zero_reduce_bucket_size(self) -> int:
-        """The reduce bucket size in use (sized from the model when the config leaves it out: Note [bucket size])."""
-        return self.policy.reduce_bucket_size
 
     def zero_allgather_bucket_size(self) -> int:
         return self.config.zero_optimization.allgather_bucket_size
 
     def zero_overlap_comm(self) -> bool:
         return True  # zeropp always overlaps communication with compute
-
-    def zero_optimization_stage(self) -> int:
-        return self.policy.stage
 
     def zero_optimization(self) -> bool:
         return self.policy.stage > 0
