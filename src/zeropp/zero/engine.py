@@ -27,7 +27,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from zeropp.config.buckets import bucket_capacity
 from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import GatherStrategy, PendingGather
@@ -43,7 +42,6 @@ from zeropp.config.policy import StagePlan, TrainPolicy
 from zeropp.partition.unit import FrozenUnit, Unit, UnitState, check_requires_grad
 from zeropp.topology import Topology
 from zeropp.zero import gathered
-from zeropp.zero.buckets import GradBuckets
 from zeropp.zero import compiled as compiled_regions
 from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_state_dict
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
@@ -153,11 +151,9 @@ class ZeroEngine(nn.Module):
                             lambda u: self._release(u, self._pass()),
                             lambda: self._backward_open) if self.plan.shards_weights else None
         self.order = CollectiveOrder()  # Note [collective order]
-        buckets = GradBuckets(strategies.reduce, self.shard_world, bucket_capacity(policy.reduce_bucket_size),
-                              self.residency, self.link if policy.offload_optimizer else HostLink(),
-                              direct=topo.world_size == 1)
-        self.grads = GradIntake(buckets, self.order, stepped=self._stepped, policy=policy, plan=self.plan, topo=topo,
-                                comm=self.comm)
+        self.grads = GradIntake(strategies.reduce, self.order, stepped=self._stepped, policy=policy, plan=self.plan,
+                                topo=topo, comm=self.comm, residency=self.residency,
+                                link=self.link if policy.offload_optimizer else HostLink())
         if not self.plan.shards_weights:
             self._gather_resident(Phase.OTHER)
         self._build_optimizer(make_optimizer, make_scheduler, trainable)

@@ -8,7 +8,11 @@ import torch
 
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm
+from zeropp.comm.strategy import ReduceStrategy
+from zeropp.config.buckets import bucket_capacity
 from zeropp.config.policy import StagePlan, TrainPolicy
+from zeropp.offload.link import HostLink
+from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit
 from zeropp.topology import Topology
 from zeropp.zero.buckets import GradBuckets
@@ -20,11 +24,14 @@ class UnusedParametersError(RuntimeError):
 
 
 class GradIntake:
-    """Gradients into ``buckets`` (see the module docstring); ``stepped`` are the units that train."""
+    """Gradients into reduce buckets of ``policy.reduce_bucket_size`` (see the module docstring), reduced by
+    ``reduce`` into the rows of ``stepped``, the units that train (offloaded rows cross ``link``)."""
 
-    def __init__(self, buckets: GradBuckets, order: CollectiveOrder, *, stepped: list[Unit], policy: TrainPolicy,
-                 plan: StagePlan, topo: Topology, comm: Comm) -> None:
-        self.buckets = buckets
+    def __init__(self, reduce: ReduceStrategy, order: CollectiveOrder, *, stepped: list[Unit], policy: TrainPolicy,
+                 plan: StagePlan, topo: Topology, comm: Comm, residency: Resident, link: HostLink) -> None:
+        shard_world = topo.world_size if plan.shards_optimizer else 1
+        self.buckets = GradBuckets(reduce, shard_world, bucket_capacity(policy.reduce_bucket_size), residency, link,
+                                   direct=topo.world_size == 1)
         self.stepped = stepped
         self.order, self.policy, self.plan, self.topo, self.comm = order, policy, plan, topo, comm
         self._missing: dict[Unit, int] = {}  # gradients a unit still waits for in this backward
