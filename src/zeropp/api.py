@@ -57,22 +57,23 @@ def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
         else AllGather(comm)
     )
     backward = AllGather(comm)
+    secondary = None
     if zero.zero_hpz_partition_size > 1:
         # shared: a slice cut after forward serves backward; one pool of output rows (Note [hpZ slices at initialize])
         store, pools = SecondaryStore(), BufferPools("hpz", "out")
-        forward = HpzGather(comm, forward, store, pools)
+        forward = secondary = HpzGather(comm, forward, store, pools)
         backward = HpzGather(comm, backward, store, pools, reports_pools=False)
     if zero.zero_quantized_gradients:
         reduce = QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block, _loco(zero))
     else:
         reduce = AllToAllReduceScatter(comm) if zero.reduce_scatter else AllReduceKeepRow(comm)
     if not zero.zero_quantized_nontrainable_weights:
-        return Strategies(forward, backward, reduce)
+        return Strategies(forward, backward, reduce, secondary=secondary)
     # Note [quantized frozen weights]: one frozen gather (and hpZ copy) serves both passes
     hpz = comm.topo.hpz if zero.zero_hpz_partition_size > 1 else None
     frozen = FrozenGather(comm, hpz)
     return Strategies(FrozenApart(forward, frozen), FrozenApart(backward, frozen, reports_frozen=False), reduce,
-                      QuantizedFrozenUnits(8, block))
+                      QuantizedFrozenUnits(8, block), secondary)
 
 
 def _loco(zero: ZeroConfig) -> Optional[Loco]:

@@ -7,13 +7,16 @@ units once the caller says it is done with them (``recycle``; Note [buffer pool]
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import torch
 
 from zeropp.comm.ledger import Phase
 from zeropp.partition.spec import RowLayout
 from zeropp.partition.unit import Unit
+
+if TYPE_CHECKING:
+    from zeropp.topology import Group
 
 
 class PendingGather(Protocol):
@@ -62,6 +65,16 @@ class GatherStrategy(Protocol):
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of the temporary buffers (wire, receive, output rows) the strategy owns now, by name."""
+
+
+class SecondaryCopy(Protocol):
+    """hpZ's secondary partition as readers outside the gathers see it (a parameter's slice, the group)."""
+
+    group: Group
+
+    def slice(self, unit: Unit, index: int) -> Optional[torch.Tensor]:
+        """This rank's slice of ``unit``'s parameter ``index`` (a copy, padding included), or None while the
+        unit has no current slice (Note [secondary staleness] in ``plus/hpz.py``)."""
 
 
 class PendingReduce(Protocol):

@@ -78,6 +78,15 @@ class HpzGather:
         self.pools = pools if pools is not None else BufferPools("hpz", "out")
         self.reports_pools = reports_pools
 
+
+    def slice(self, unit: Unit, index: int) -> Optional[torch.Tensor]:
+        """This rank's slice of ``unit``'s parameter ``index`` in the secondary copy (a copy, padding included),
+        or None while the unit has no current slice (Note [secondary staleness])."""
+        if not self.store.is_current(unit):
+            return None
+        layout = unit.group_layout(self.group.size)
+        off, size = layout.offsets[index], layout.chunks[index]
+        return self.store.rows[unit.index][off : off + size].clone()
     def start(self, unit: Unit, phase: Phase) -> PendingGather:
         if not self.store.is_current(unit):
             return self.primary.start(unit, phase)

@@ -26,7 +26,6 @@ from torch import nn
 
 from zeropp.comm.ledger import Phase
 from zeropp.partition.unit import ParamSlot, Unit
-from zeropp.plus.hpz import HpzGather
 from zeropp.zero import gathered
 
 if TYPE_CHECKING:
@@ -119,16 +118,10 @@ def set_master(loc: Located, value: torch.Tensor, local: bool = False) -> None:
 
 
 # ---- hpZ's secondary copy -----------------------------------------------------------------------------------------
-def _hpz(engine: "ZeroEngine") -> Optional[HpzGather]:
-    gather = engine.strategies.forward_gather
-    gather = getattr(gather, "trainable", gather)  # past FrozenApart
-    return gather if isinstance(gather, HpzGather) else None
-
-
 def hpz_group(loc: Located) -> Any:
     """The process group of hpZ's secondary partition of the parameter (``zero_hpz_partition_size`` > 1), or
     None without hpZ."""
-    hpz = _hpz(loc.engine)
+    hpz = loc.engine.strategies.secondary
     return None if hpz is None else hpz.group.handle
 
 
@@ -136,12 +129,8 @@ def secondary_part(loc: Located) -> Optional[torch.Tensor]:
     """This rank's slice of the parameter in hpZ's secondary copy (a copy, padding included), or None: no hpZ, or
     no current slice (the weights changed since the last was cut: Note [secondary staleness] in ``plus/hpz.py``;
     one is cut at initialize and at each forward's release)."""
-    hpz = _hpz(loc.engine)
-    if hpz is None or not hpz.store.is_current(loc.unit):
-        return None
-    layout = loc.unit.group_layout(hpz.group.size)
-    off, size = layout.offsets[loc.index], layout.chunks[loc.index]
-    return hpz.store.rows[loc.unit.index][off : off + size].clone()
+    hpz = loc.engine.strategies.secondary
+    return None if hpz is None else hpz.slice(loc.unit, loc.index)
 
 
 # ---- the gradient ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Optional, Protocol
 import torch
 from torch import nn
 
-from zeropp.comm.strategy import GatherStrategy, ReduceStrategy
+from zeropp.comm.strategy import GatherStrategy, ReduceStrategy, SecondaryCopy
 from zeropp.partition.unit import Unit
 
 
@@ -28,3 +28,4 @@ class Strategies:
     backward_gather: GatherStrategy
     reduce: ReduceStrategy
     frozen_units: Optional[FrozenUnits] = None  # stage 3: units for frozen parameters (None: plain units)
+    secondary: Optional[SecondaryCopy] = None  # hpZ's secondary partition, for readers of a parameter's slice
