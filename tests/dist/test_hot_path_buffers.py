@@ -176,9 +176,9 @@ def run_engine(rank: int, world: int, depth: int, force_hop1: bool = False) -> d
     s = engine.strategies
     engine.strategies = type(s)(_Watched(s.forward_gather, rec), _Watched(s.backward_gather, rec),
                                 _Watched(s.reduce, rec))
-    engine.grads.buckets.reduce = engine.strategies.reduce
+    engine.buckets.reduce = engine.strategies.reduce
     _WatchedPending.force_hop1 = force_hop1
-    pools = _pools(engine) + [_BucketPool(engine.grads.buckets.pool)]
+    pools = _pools(engine) + [_BucketPool(engine.buckets.pool)]
     out: dict[str, Any] = {"units": len(engine.units), "losses": [], "slabs": [], "bytes": [], "leased": []}
     try:
         for step in range(1, STEPS + 1):

@@ -96,8 +96,8 @@ def initialize(
         sampler = torch.utils.data.DistributedSampler(
             training_data, num_replicas=topo.world_size, rank=topo.rank, shuffle=True
         )
-        loader = torch.utils.data.DataLoader(training_data, batch_size=engine.policy.micro_batch_per_rank, sampler=sampler,
-                                             collate_fn=collate_fn)
+        loader = torch.utils.data.DataLoader(training_data, batch_size=engine.policy.micro_batch_per_rank,
+                                             sampler=sampler, collate_fn=collate_fn)
     return InitResult(engine, engine.master_optimizer, loader, engine.lr_scheduler)
 
 

@@ -18,7 +18,6 @@ The engine holds no ZeRO++ flag: which gather and reduce run is decided by the s
 from __future__ import annotations
 
 import contextlib
-import enum
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -29,8 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeropp.comm.ledger import CommLedger, Phase
 from zeropp.comm.ops import Comm
-from zeropp.comm.strategy import GatherStrategy, PendingGather
-from zeropp.offload.link import HostLink, Transfer
+from zeropp.offload.link import HostLink
 from zeropp.offload.residency import Resident
 from zeropp.partition import listeners
 from zeropp.partition.assign import is_leaf, plan_units
@@ -47,28 +45,14 @@ from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_
 from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
 from zeropp.zero.grad_intake import GradIntake
 from zeropp.zero.optimizer_step import OptimizerStep
-from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, CollectiveOrder
+from zeropp.zero.order_check import CollectiveOrder
 from zeropp.zero import idle_watch
 from zeropp.zero import teardown
 from zeropp.zero.param_use import ParamUse, unwatched
 from zeropp.zero.persistence import KeptUnits, persistent_units
+from zeropp.zero.gathers import Gathers, Pass
 from zeropp.zero import reports
 from zeropp.zero.timing import StepTimer, format_time_report
-
-# Note [inference mode]: an evaluation under torch.inference_mode() may be the first forward to need a gather
-# buffer, an hpZ slice or a prefetch, and a tensor made there is an inference tensor, which the collectives of
-# every later training step could not write into ("Inplace update to inference tensor outside
-# InferenceMode"). Gathers and releases therefore make their tensors with inference mode off.
-_OUTSIDE_INFERENCE_MODE = torch.inference_mode(False)
-
-
-class Pass(enum.Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
-_LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
-
 
 class _Delegated:
     """An engine attribute that is one of its parts' (``part.name``), read-only unless ``writable``."""
@@ -122,7 +106,6 @@ class ZeroEngine(nn.Module):
         self.__dict__["_compiled_call"] = compiled_call
         self.residency = residency or Resident()  # where model states wait between uses (NVMe or memory)
         self.link = link or HostLink()  # how offloaded rows cross between device and host
-        self._uploads: dict[Unit, Transfer] = {}  # 16-bit shards on their way up after a step
         self.config = config  # the validated config it was built from (recorded in checkpoint manifests)
         self.topo = topo
         self.ledger = ledger
@@ -147,23 +130,25 @@ class ZeroEngine(nn.Module):
                                                policy.model_persistence_threshold)
                               if self.plan.shards_weights else frozenset())  # Note [persistent units]
         # stage 3: reads of a parameter outside its unit's forward (Note [external reads])
-        self.use = ParamUse(module, self.units, lambda u: self._gather(u, self._pass()),
-                            lambda u: self._release(u, self._pass()),
+        self.use = ParamUse(module, self.units, lambda u: self.gathers.gather(u, self._pass()),
+                            lambda u: self.gathers.release(u, self._pass()),
                             lambda: self._backward_open) if self.plan.shards_weights else None
         self.order = CollectiveOrder()  # Note [collective order]
         self.grads = GradIntake(strategies.reduce, self.order, stepped=self._stepped, policy=policy, plan=self.plan,
                                 topo=topo, comm=self.comm, residency=self.residency,
                                 link=self.link if policy.offload_optimizer else HostLink())
+        self.gathered_weights = GatheredWeights(policy.max_live_parameters, policy.prefetch_bucket_size,
+                                                torch.empty((), dtype=policy.compute_dtype).element_size())
+        self.gathers = Gathers(self.units, lambda: self.strategies, residency=self.residency, link=self.link,
+                               timer=self.timer, collectives=self.order, kept=self.kept,
+                               gathered_weights=self.gathered_weights)
         if not self.plan.shards_weights:
-            self._gather_resident(Phase.OTHER)
+            self.gathers.gather_resident(Phase.OTHER)
         self._build_optimizer(make_optimizer, make_scheduler, trainable)
-        self._inflight: dict[Unit, PendingGather] = {}
         # ZeRO-R's residual memory (zero/memory.py): saved activations, gathered weights and the prefetch bound
         # once: a weight keeps its storage object while it is resized (storages_moved() looks again)
         self._weight_storages = weight_storages(self.module)
         self.activations = ActivationMeter(lambda: self._weight_storages)
-        self.gathered_weights = GatheredWeights(policy.max_live_parameters, policy.prefetch_bucket_size,
-                                                torch.empty((), dtype=policy.compute_dtype).element_size())
         self._init_step_state()
         if self.plan.shards_weights and strategies.forward_gather.keeps_copies:
             self._cut_copies()
@@ -185,14 +170,12 @@ class ZeroEngine(nn.Module):
         self.stepper = OptimizerStep(
             optimizer, make_scheduler(optimizer), stepped=self._stepped, policy=self.policy, plan=self.plan,
             topo=self.topo, comm=self.comm, order=self.order, residency=self.residency, link=self.link,
-            timer=self.timer, copy_back=self._copy_back, gather_resident=self._gather_resident, step_number=lambda: self.global_steps)
+            timer=self.timer, copy_back=self.gathers.copy_back, gather_resident=self.gathers.gather_resident,
+            step_number=lambda: self.global_steps)
         self.residency.attach(optimizer, self.stepper.optimized)
 
     def _init_step_state(self) -> None:
         """The bookkeeping of passes, accumulation windows and steps, as before the first forward."""
-        self._order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
-        self._last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
-        self._held_whole = False  # every unit gathered and kept (held_whole): the hooks release nothing
         self._boundary_override: Optional[bool] = None  # force_boundary()
         self._quiet = False  # this pass runs compiled code without watches (Note [compiled regions])
         self._backward_open = False
@@ -207,7 +190,7 @@ class ZeroEngine(nn.Module):
         gather = self.strategies.forward_gather
         for unit in self.units:
             if unit.state is UnitState.SHARDED and self.residency.shard_in(unit):
-                self._land(unit, gather.start(unit, Phase.OTHER))
+                self.gathers.land(unit, gather.start(unit, Phase.OTHER))
                 gather.on_release(unit)
                 unit.release()
         gather.settle()
@@ -295,40 +278,6 @@ class ZeroEngine(nn.Module):
                     host_zeros=self.link.host_zeros, staged_copy_back=self.link.distinct and not frozen,
                     chunks=chunks)
 
-    def _gather_resident(self, phase: Phase) -> None:
-        """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
-        for unit in self.units:
-            self._await_upload(unit)
-            pending = self.strategies.forward_gather.start(unit, phase)
-            unit.materialize(*pending.finish())
-            pending.recycle()  # the rows were copied out: the strategy reuses the buffer
-        self.strategies.forward_gather.settle()
-
-    def _start_gather(self, unit: Unit, which: Pass, optional: bool = False) -> Optional[PendingGather]:
-        """Start gathering ``unit`` once its shard is readable; None when ``optional`` and the shard could not
-        be brought in (NVMe buffers busy: the prefetch is skipped)."""
-        if not self.residency.shard_in(unit, optional=optional):
-            return None
-        self._await_upload(unit)
-        self.order.note(GATHER_FORWARD if which is Pass.FORWARD else GATHER_BACKWARD, unit.index)
-        return self._strategy(which).start(unit, _LEDGER_PHASE[which])
-
-    def _await_upload(self, unit: Unit) -> None:
-        """Optimizer offload: order the gather after the upload of the shard the last step wrote."""
-        upload = self._uploads.pop(unit, None)
-        if upload is not None:
-            with self.timer.span("offload_io"):
-                upload.wait()
-
-    def _copy_back(self, unit: Unit) -> None:
-        """Optimizer offload with device memory apart from the host: start uploading the updated shard."""
-        pair = unit.copy_back()
-        if pair is None:
-            return
-        self._uploads[unit] = self.link.upload(*pair)
-        if self.residency.swaps_states and unit.staged_row is None:  # fp32: the source is the master, which
-            self.link.settle()                                          # NVMe swaps out next
-
     # ---- hooks -------------------------------------------------------------------------------------------
     def _pass(self) -> Pass:
         return Pass.BACKWARD if self._backward_open else Pass.FORWARD
@@ -340,7 +289,7 @@ class ZeroEngine(nn.Module):
             current = self._pass()
             again = (self.use is not None and current is Pass.FORWARD and unit.state is UnitState.SHARDED
                      and self.use.released_in_this_pass(unit))
-            self._gather(unit, current)
+            self.gathers.gather(unit, current)
             if again:  # a module called twice: keep it for the second call next time
                 self.use.learn(unit, unit.module_name)
         return hook
@@ -360,13 +309,13 @@ class ZeroEngine(nn.Module):
                     use.hold_until_inputs_grad(unit, args)
             if use.defer(unit):
                 return
-            self._release(unit, self._pass())
+            self.gathers.release(unit, self._pass())
         return hook
 
     def _hook_outputs_for_backward(self, unit: Unit, output: Any) -> None:
         def on_output_grad(grad: torch.Tensor) -> torch.Tensor:
             if unit.state is UnitState.SHARDED:
-                self._gather(unit, Pass.BACKWARD)
+                self.gathers.gather(unit, Pass.BACKWARD)
             return grad
 
         for t in tree_flatten(output)[0]:
@@ -381,96 +330,8 @@ class ZeroEngine(nn.Module):
             grad, param.grad = param.grad, None
             if self.grads.arrive(unit, slot_index, grad, whole) and self.plan.shards_weights \
                     and unit not in self._mixed:
-                self._release(unit, Pass.BACKWARD)
+                self.gathers.release(unit, Pass.BACKWARD)
         return hook
-
-    # ---- gather / release / prefetch ---------------------------------------------------------------------
-    def _strategy(self, which: Pass) -> GatherStrategy:
-        return self.strategies.forward_gather if which is Pass.FORWARD else self.strategies.backward_gather
-
-    @_OUTSIDE_INFERENCE_MODE
-    @unwatched
-    def _gather(self, unit: Unit, which: Pass) -> None:
-        order = self._order[which]
-        if unit.state is UnitState.GATHERED:
-            if unit not in self.kept:
-                return
-            if self.kept.holds(unit):  # in the order all the same, so that prefetching sees the same order
-                order.append(unit)      # whether it was kept or gathered afresh
-                self._prefetch(which, len(order) - 1)
-                return
-            # persistent, but its shard changed since: gather it afresh. Freed without on_release, so that no
-            # hpZ slice is cut from the old weights under the new version.
-            self._free(unit)
-        order.append(unit)
-        pending = self._inflight.pop(unit, None) or self._start_gather(unit, which)
-        assert pending is not None
-        self._prefetch(which, len(order) - 1)
-        self._land(unit, pending)
-        self.gathered_weights.gathered(unit)
-        self.kept.gathered(unit)
-
-    def _land(self, unit: Unit, pending: PendingGather) -> None:
-        """Wait for ``unit``'s gather and give the unit its full weights."""
-        rows, layout = pending.finish()
-        self.residency.shard_done(unit)
-        unit.materialize(rows, layout)
-        pending.recycle()  # the rows were copied out: the strategy reuses the buffer (Note [buffer pool])
-
-    def _prefetch(self, which: Pass, position: int) -> None:
-        """Start gathering the unit that followed this one last time, so it overlaps this unit's compute.
-
-        A two-hop gather (Note [two-hop gather] in ``comm/gather.py``) starts its first hop two units ahead and
-        is advanced (its second hop issued) one unit ahead, here, at the same point on every rank.
-        """
-        last = self._last_order[which]
-        if position + 1 >= len(last) or last[position] is not self._order[which][position]:
-            return
-        nxt, current = last[position + 1], last[position]
-        ahead = self._inflight.get(nxt)  # started one unit ago: a two-hop gather's first hop
-        # one full gather in flight at most, within stage3_prefetch_bucket_size / stage3_max_live_parameters; never
-        # the unit being gathered now (a kept unit twice in a row): its shard is let go once it lands
-        if ahead is None and nxt is not current and nxt.state is UnitState.SHARDED and not self._inflight and \
-                self.gathered_weights.admits(nxt, last[position]):
-            pending = self._start_gather(nxt, which, optional=True)
-            if pending is not None:
-                self._inflight[nxt] = pending
-        if position + 2 < len(last):
-            after = last[position + 2]
-            if nxt in self._inflight and len(self._inflight) == 1 and after not in (nxt, current) and \
-                    after.state is UnitState.SHARDED and \
-                    self._strategy(which).two_hop(after) and self.gathered_weights.admits(after, last[position], nxt):
-                pending = self._start_gather(after, which, optional=True)
-                if pending is not None:
-                    self._inflight[after] = pending
-            self.residency.prefetch_shard(after)  # NVMe: read the shard while these gathers run
-        if ahead is not None:  # after the next first hop was issued, so the link stays busy while this waits
-            ahead.advance()
-
-    @_OUTSIDE_INFERENCE_MODE
-    @unwatched
-    def _release(self, unit: Unit, which: Pass) -> None:
-        if unit.state is UnitState.GATHERED and not self._held_whole and not self.kept.holds(unit):
-            self._strategy(which).on_release(unit)
-            self._free(unit)
-
-    def _free(self, unit: Unit) -> None:
-        """Drop a gathered unit's full weights (no strategy sees it: no hpZ slice is kept)."""
-        self.gathered_weights.released(unit)
-        unit.release()
-
-    @_OUTSIDE_INFERENCE_MODE
-    @unwatched
-    def _drain_prefetches(self, which: Pass) -> None:
-        """Complete and drop prefetches that were not used (the model took another path this time)."""
-        for unit, pending in list(self._inflight.items()):
-            pending.finish()
-            pending.recycle()
-            self.residency.shard_done(unit)
-        self._inflight.clear()
-        for unit in self.units:  # shards read ahead that no gather used (another path, or already gathered)
-            self.residency.shard_done(unit)
-        self._last_order[which], self._order[which] = self._order[which], []
 
     # ---- public training API -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -481,7 +342,7 @@ class ZeroEngine(nn.Module):
         with self.timer.span("forward"):  # the engine's own work is in a span: untracked is the caller's
             if self.casts_inputs:
                 args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-            self._order[Pass.FORWARD] = []
+            self.gathers.passes[Pass.FORWARD] = []
             run = self.module if self._compiled_call is None else self._compiled_call
             compiled = self.is_compiled
             learning = compiled and self.global_steps == 0  # Note [compiled regions]: the first step runs eagerly
@@ -494,9 +355,9 @@ class ZeroEngine(nn.Module):
                     with self._watch():
                         out = run(*args, **kwargs)
                 finally:
-                    self._drain_prefetches(Pass.FORWARD)
+                    self.gathers.drain(Pass.FORWARD)
                     for unit in self.units:  # a unit whose forward raised is still gathered
-                        self._release(unit, Pass.FORWARD)
+                        self.gathers.release(unit, Pass.FORWARD)
             self.strategies.forward_gather.settle()  # Note [deferred weight checks] in plus/qwz.py
             return out
 
@@ -527,11 +388,11 @@ class ZeroEngine(nn.Module):
                 self._restart_pending = False
             self._backward_open = True
             self.grads.begin_backward()
-            self._order[Pass.BACKWARD] = []
+            self.gathers.passes[Pass.BACKWARD] = []
             watch = self._watch() if self.use is not None else contextlib.nullcontext()
             if self.use is not None and self._quiet:  # a compiled graph reads the weights it saved hook-free
                 for unit in self.use.spans:
-                    self._gather(unit, Pass.BACKWARD)
+                    self.gathers.gather(unit, Pass.BACKWARD)
             try:
                 with watch:
                     (loss * factor if factor != 1.0 else loss).backward()
@@ -542,9 +403,9 @@ class ZeroEngine(nn.Module):
     def _finish_backward(self) -> None:
         self.grads.finish_backward()
         if self.plan.shards_weights:
-            self._drain_prefetches(Pass.BACKWARD)
+            self.gathers.drain(Pass.BACKWARD)
             for unit in self.units:
-                self._release(unit, Pass.BACKWARD)
+                self.gathers.release(unit, Pass.BACKWARD)
         self._backward_open = False
         self.strategies.backward_gather.settle()
 
@@ -648,8 +509,9 @@ class ZeroEngine(nn.Module):
                               writable=True)
     loss_scaler = _Delegated("stepper", "loss_scaler", "fp16's loss scaler (None otherwise)")
     loss_scale = _Delegated("stepper", "loss_scale", "The current fp16 loss scale (1.0 when not training in fp16)")
-    grad_unscale = _Delegated("stepper", "grad_unscale", "The factor from a reduced gradient row to the step's gradient")
+    grad_unscale = _Delegated("stepper", "grad_unscale", "From a reduced gradient row to the step's gradient")
     skipped_steps = _Delegated("stepper", "skipped_steps", "Optimizer steps skipped for a non-finite gradient")
+    buckets = _Delegated("grads", "buckets", "The reduce buckets gradients go through (zero/buckets.py)")
 
     def join_update(self) -> None:
         """Wait for a delayed update still running and publish it (collective; a no-op when none is pending)."""
@@ -690,15 +552,15 @@ class ZeroEngine(nn.Module):
         """Stage 3: gather every unit once and keep them all gathered for the block (generation: many forwards
         of one token each would otherwise gather every unit per token); collective on entry. The weights are
         read-only inside (``GatheredParameters`` semantics): train outside the block."""
-        if not self.plan.shards_weights or self._held_whole:
+        if not self.plan.shards_weights or self.gathers.held_whole:
             yield
             return
         with gathered.GatheredParameters([s.param for u in self.units for s in u.slots]):
-            self._held_whole = True
+            self.gathers.held_whole = True
             try:
                 yield
             finally:
-                self._held_whole = False
+                self.gathers.held_whole = False
 
     def free_gathered(self) -> None:
         """Free every gathered unit now, persistent ones included (the next use gathers them again); between
@@ -706,12 +568,12 @@ class ZeroEngine(nn.Module):
         gathered: nothing to free."""
         if not self.plan.shards_weights:
             return
-        if self._backward_open or (self.use is not None and self.use.active) or self._held_whole:
+        if self._backward_open or (self.use is not None and self.use.active) or self.gathers.held_whole:
             raise RuntimeError("free_gathered (empty_partition_cache): call it between steps, not inside a forward, "
                                "a backward or a GatheredParameters / held_whole block")
         for unit in self.units:
             if unit.state is UnitState.GATHERED:
-                self._free(unit)
+                self.gathers.free(unit)
 
     def storages_moved(self) -> None:
         """A unit's full buffers moved to new storages (``GatheredParameters`` left the old ones to aliases)."""
@@ -727,7 +589,7 @@ class ZeroEngine(nn.Module):
         """Give the model back whole, hooks removed, and close (Note [leaving the model whole] in ``teardown.py``).
         Collective. ``initialize`` may then be called on the model again."""
         teardown.leave_whole(self)
-        self.units = []  # no longer the model's: it holds its own weights
+        self.units = self.gathers.units = []  # no longer the model's: it holds its own weights
         self._stepped.clear()  # (the parts share this list)
 
     def close(self) -> None:

@@ -23,7 +23,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
     checkpoint, or of a DeepSpeed ZeRO checkpoint (what DeepSpeed's ``zero_to_fp32`` gives: the fp32 masters,
     tied aliases, frozen parameters and buffers)."""
     if exclude_frozen_parameters or lazy_mode:
-        raise DeepSpeedAPIError("get_fp32_state_dict_from_zero_checkpoint(exclude_frozen_parameters=..., lazy_mode=...) "
+        raise DeepSpeedAPIError("get_fp32_state_dict_from_zero_checkpoint(exclude_frozen_parameters=..., "
+                                "lazy_mode=...) "
                                 "is not implemented by zeropp yet")
     ds_tag = checkpoint_format.deepspeed_tag_dir(checkpoint_dir, tag)
     if ds_tag is None:

@@ -1,0 +1,177 @@
+"""The units' full weights, a part the engine owns (:class:`Gathers`): gathering a unit through the pass's
+strategy, prefetching the unit that followed it last time, releasing it, and (stages 0-2) rebuilding every full
+weight from the shards. The engine's hooks decide when; this part does it.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable, Optional
+
+import torch
+
+from zeropp.comm.ledger import Phase
+from zeropp.comm.strategy import PendingGather
+from zeropp.offload.link import HostLink, Transfer
+from zeropp.offload.residency import Resident
+from zeropp.partition.unit import Unit, UnitState
+from zeropp.zero.memory import GatheredWeights
+from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, CollectiveOrder
+from zeropp.zero.param_use import unwatched
+from zeropp.zero.persistence import KeptUnits
+from zeropp.comm.strategy import GatherStrategy
+from zeropp.zero.strategies import Strategies
+from zeropp.zero.timing import StepTimer
+
+# Note [inference mode]: an evaluation under torch.inference_mode() may be the first forward to need a gather
+# buffer, an hpZ slice or a prefetch, and a tensor made there is an inference tensor, which the collectives of
+# every later training step could not write into ("Inplace update to inference tensor outside
+# InferenceMode"). Gathers and releases therefore make their tensors with inference mode off.
+_OUTSIDE_INFERENCE_MODE = torch.inference_mode(False)
+
+
+class Pass(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+_LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
+
+
+class Gathers:
+    """Gathers and releases of ``units`` (see the module docstring)."""
+
+    def __init__(self, units: list[Unit], strategies: Callable[[], Strategies], *, residency: Resident,
+                 link: HostLink, timer: StepTimer, collectives: CollectiveOrder, kept: KeptUnits,
+                 gathered_weights: GatheredWeights) -> None:
+        self.units = units
+        self._strategies = strategies  # the engine's, read at each use
+        self.residency, self.link, self.timer = residency, link, timer
+        self.collectives = collectives  # Note [collective order]: every gather noted
+        self.kept = kept  # Note [persistent units]
+        self.gathered_weights = gathered_weights  # ZeRO-R: what is gathered, and the prefetch bound
+        self.inflight: dict[Unit, PendingGather] = {}  # prefetches started, not yet landed
+        self.passes: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}  # this pass's order
+        self.last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
+        self.uploads: dict[Unit, Transfer] = {}  # 16-bit shards on their way up after a step
+        self.held_whole = False  # every unit gathered and kept (engine.held_whole): release nothing
+
+    def gather_resident(self, phase: Phase) -> None:
+        """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
+        for unit in self.units:
+            self.await_upload(unit)
+            pending = self._strategies().forward_gather.start(unit, phase)
+            unit.materialize(*pending.finish())
+            pending.recycle()  # the rows were copied out: the strategy reuses the buffer
+        self._strategies().forward_gather.settle()
+
+    def _start(self, unit: Unit, which: Pass, optional: bool = False) -> Optional[PendingGather]:
+        """Start gathering ``unit`` once its shard is readable; None when ``optional`` and the shard could not
+        be brought in (NVMe buffers busy: the prefetch is skipped)."""
+        if not self.residency.shard_in(unit, optional=optional):
+            return None
+        self.await_upload(unit)
+        self.collectives.note(GATHER_FORWARD if which is Pass.FORWARD else GATHER_BACKWARD, unit.index)
+        return self.strategy(which).start(unit, _LEDGER_PHASE[which])
+
+    def await_upload(self, unit: Unit) -> None:
+        """Optimizer offload: order the gather after the upload of the shard the last step wrote."""
+        upload = self.uploads.pop(unit, None)
+        if upload is not None:
+            with self.timer.span("offload_io"):
+                upload.wait()
+
+    def copy_back(self, unit: Unit) -> None:
+        """Optimizer offload with device memory apart from the host: start uploading the updated shard."""
+        pair = unit.copy_back()
+        if pair is None:
+            return
+        self.uploads[unit] = self.link.upload(*pair)
+        if self.residency.swaps_states and unit.staged_row is None:  # fp32: the source is the master, which
+            self.link.settle()                                          # NVMe swaps out next
+
+    def strategy(self, which: Pass) -> GatherStrategy:
+        return self._strategies().forward_gather if which is Pass.FORWARD else self._strategies().backward_gather
+
+    @_OUTSIDE_INFERENCE_MODE
+    @unwatched
+    def gather(self, unit: Unit, which: Pass) -> None:
+        order = self.passes[which]
+        if unit.state is UnitState.GATHERED:
+            if unit not in self.kept:
+                return
+            if self.kept.holds(unit):  # in the order all the same, so that prefetching sees the same order
+                order.append(unit)      # whether it was kept or gathered afresh
+                self._prefetch(which, len(order) - 1)
+                return
+            # persistent, but its shard changed since: gather it afresh. Freed without on_release, so that no
+            # hpZ slice is cut from the old weights under the new version.
+            self.free(unit)
+        order.append(unit)
+        pending = self.inflight.pop(unit, None) or self._start(unit, which)
+        assert pending is not None
+        self._prefetch(which, len(order) - 1)
+        self.land(unit, pending)
+        self.gathered_weights.gathered(unit)
+        self.kept.gathered(unit)
+
+    def land(self, unit: Unit, pending: PendingGather) -> None:
+        """Wait for ``unit``'s gather and give the unit its full weights."""
+        rows, layout = pending.finish()
+        self.residency.shard_done(unit)
+        unit.materialize(rows, layout)
+        pending.recycle()  # the rows were copied out: the strategy reuses the buffer (Note [buffer pool])
+
+    def _prefetch(self, which: Pass, position: int) -> None:
+        """Start gathering the unit that followed this one last time, so it overlaps this unit's compute.
+
+        A two-hop gather (Note [two-hop gather] in ``comm/gather.py``) starts its first hop two units ahead and
+        is advanced (its second hop issued) one unit ahead, here, at the same point on every rank.
+        """
+        last = self.last_order[which]
+        if position + 1 >= len(last) or last[position] is not self.passes[which][position]:
+            return
+        nxt, current = last[position + 1], last[position]
+        ahead = self.inflight.get(nxt)  # started one unit ago: a two-hop gather's first hop
+        # one full gather in flight at most, within stage3_prefetch_bucket_size / stage3_max_live_parameters; never
+        # the unit being gathered now (a kept unit twice in a row): its shard is let go once it lands
+        if ahead is None and nxt is not current and nxt.state is UnitState.SHARDED and not self.inflight and \
+                self.gathered_weights.admits(nxt, last[position]):
+            pending = self._start(nxt, which, optional=True)
+            if pending is not None:
+                self.inflight[nxt] = pending
+        if position + 2 < len(last):
+            after = last[position + 2]
+            if nxt in self.inflight and len(self.inflight) == 1 and after not in (nxt, current) and \
+                    after.state is UnitState.SHARDED and \
+                    self.strategy(which).two_hop(after) and self.gathered_weights.admits(after, last[position], nxt):
+                pending = self._start(after, which, optional=True)
+                if pending is not None:
+                    self.inflight[after] = pending
+            self.residency.prefetch_shard(after)  # NVMe: read the shard while these gathers run
+        if ahead is not None:  # after the next first hop was issued, so the link stays busy while this waits
+            ahead.advance()
+
+    @_OUTSIDE_INFERENCE_MODE
+    @unwatched
+    def release(self, unit: Unit, which: Pass) -> None:
+        if unit.state is UnitState.GATHERED and not self.held_whole and not self.kept.holds(unit):
+            self.strategy(which).on_release(unit)
+            self.free(unit)
+
+    def free(self, unit: Unit) -> None:
+        """Drop a gathered unit's full weights (no strategy sees it: no hpZ slice is kept)."""
+        self.gathered_weights.released(unit)
+        unit.release()
+
+    @_OUTSIDE_INFERENCE_MODE
+    @unwatched
+    def drain(self, which: Pass) -> None:
+        """Complete and drop prefetches that were not used (the model took another path this time)."""
+        for unit, pending in list(self.inflight.items()):
+            pending.finish()
+            pending.recycle()
+            self.residency.shard_done(unit)
+        self.inflight.clear()
+        for unit in self.units:  # shards read ahead that no gather used (another path, or already gathered)
+            self.residency.shard_done(unit)
+        self.last_order[which], self.passes[which] = self.passes[which], []
