@@ -21,7 +21,7 @@ from support.models import TiedNet
 from support.train import config, train_steps
 from support.world import run_world
 from zeropp.offload.link import ThreadedLink
-from zeropp.zero.engine import ZeroEngine
+from zeropp.zero.gathers import Gathers
 
 STEPS, GB = 6, 8
 # "zeropp": stage 3 with qwZ + hpZ + qgZ (the public implementation's loss got stuck with CPU offload + hpZ)
@@ -57,7 +57,7 @@ def run(rank: int, world: int) -> dict:
            for case in CASES for offload in (False, True)}
     for case in LINK_CASES:
         out[(case, "threaded")] = train(rank, world, case_config(*case, True), ThreadedLink())
-    with mock.patch.object(ZeroEngine, "_await_upload", lambda self, unit: None):  # a gather that does not wait
+    with mock.patch.object(Gathers, "await_upload", lambda self, unit: None):  # a gather that does not wait
         # a slower copy engine: the early read must land before the copy even on a loaded machine
         out["no_wait"] = train(rank, world, case_config(3, "bf16", False, True), ThreadedLink(delay=0.05))
     return out
