@@ -18,9 +18,9 @@ from torch import nn
 import zeropp
 from support.world import run_world
 from zeropp import checkpointing
+from zeropp.deepspeed.missing import DeepSpeedAPIError
 from zeropp.activation import checkpointing as core
 from zeropp.activation.split import piece_sizes
-from zeropp.errors import NotBuiltError
 
 STEPS, SEQ, DIM, LAYERS = 3, 16, 32, 3
 ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
@@ -121,9 +121,9 @@ def test_true_keeps_deepspeeds_meaning_and_bad_combinations_are_refused() -> Non
         checkpointing.configure(partition_activations=True)
     assert checkpointing.settings().partition_activations is True
     for bad in ({"checkpoint_in_cpu": True}, {"contiguous_checkpointing": True, "num_checkpoints": 2}):
-        with pytest.raises(NotBuiltError, match="partition_activations"):
+        with pytest.raises(DeepSpeedAPIError, match="partition_activations"):
             checkpointing.configure(partition_activations="node", **bad)
-    with pytest.raises(NotBuiltError, match="true, false or"):
+    with pytest.raises(DeepSpeedAPIError, match="true, false or"):
         checkpointing.configure(partition_activations="rows")
     with pytest.raises(zeropp.config.ConfigError, match="partition_activations"):
         zeropp.config.load_config({"train_batch_size": 1, "activation_checkpointing": {"partition_activations": 2}})

@@ -5,12 +5,15 @@ activation checkpointing (``zeropp/activation/checkpointing.py``): ``checkpoint`
 model parallelism's helpers raise :class:`DeepSpeedAPIError` naming them."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
-from zeropp.activation.checkpointing import (Settings, apply_config, attach, buffer_bytes, checkpoint,
+from zeropp.activation import checkpointing as core
+from zeropp.activation.checkpointing import (Settings, apply_config, attach, buffer_bytes,
                                              gradient_checkpointing_enable, is_configured, reset, set_link,
-                                             settings, settings_from, timings, use)
+                                             settings, settings_from, timings)
 from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
+from zeropp.errors import NotBuiltError
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "apply_config", "set_link", "timings", "settings",
            "gradient_checkpointing_enable", "attach", "buffer_bytes", "Settings"]
@@ -31,14 +34,33 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
         raise DeepSpeedAPIError("checkpointing.configure(mpu_=...): model parallelism is not implemented by "
                                 "zeropp; zeropp partitions over data-parallel ranks only")
     s = settings_from(deepspeed_config)
-    use(Settings(
-        partition_activations=_pick(partition_activations, s.partition_activations),
-        cpu_checkpointing=_pick(checkpoint_in_cpu, s.cpu_checkpointing),
-        contiguous_memory_optimization=_pick(contiguous_checkpointing, s.contiguous_memory_optimization),
-        number_checkpoints=_pick(num_checkpoints, s.number_checkpoints),
-        synchronize_checkpoint_boundary=_pick(synchronize, s.synchronize_checkpoint_boundary),
-        profile=_pick(profile, s.profile),
-    ))
+    with _named():
+        core.use(Settings(
+            partition_activations=_pick(partition_activations, s.partition_activations),
+            cpu_checkpointing=_pick(checkpoint_in_cpu, s.cpu_checkpointing),
+            contiguous_memory_optimization=_pick(contiguous_checkpointing, s.contiguous_memory_optimization),
+            number_checkpoints=_pick(num_checkpoints, s.number_checkpoints),
+            synchronize_checkpoint_boundary=_pick(synchronize, s.synchronize_checkpoint_boundary),
+            profile=_pick(profile, s.profile),
+        ))
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, keeping only its arguments for backward and running it again there
+    (``zeropp.activation.checkpointing.checkpoint``, with the settings :func:`configure` put in force)."""
+    with _named():
+        return core.checkpoint(function, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _named() -> Iterator[None]:
+    """A setting zeropp does not build, raised under DeepSpeed's error type (the core's is its base class)."""
+    try:
+        yield
+    except DeepSpeedAPIError:
+        raise
+    except NotBuiltError as err:
+        raise DeepSpeedAPIError(str(err)) from err
 
 
 def _pick(argument: Any, from_config: Any) -> Any:
