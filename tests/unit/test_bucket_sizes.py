@@ -1,7 +1,7 @@
-"""The default ``reduce_bucket_size`` and what a bucket may hold (Note [bucket size] in ``config/buckets.py``)."""
+"""The default ``reduce_bucket_size`` and what a bucket may hold (Note [bucket size] in ``config/policy.py``)."""
 from __future__ import annotations
 
-from zeropp.config.buckets import (BUCKETS_IN_FLIGHT, DEFAULT_CAP, DEFAULT_FLOOR, bucket_capacity,
+from zeropp.config.policy import (BUCKETS_IN_FLIGHT, DEFAULT_CAP, DEFAULT_FLOOR, bucket_capacity,
                                  default_reduce_bucket_size, largest_bucket)
 
 

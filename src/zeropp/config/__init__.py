@@ -4,9 +4,9 @@
 - ``legacy.py``: DeepSpeed's older spellings, translated before validation;
 - ``auto.py``: Hugging Face's ``"auto"`` values, filled from what is known;
 - ``loader.py``: reading a file or dict into :class:`ZeroppConfig`, with every problem in one error;
-- ``buckets.py``: the gradient bucket sizes a model gets by default;
 - ``policy.py``: :func:`resolve`, the config plus the world and the model turned into the
-  :class:`TrainPolicy` the engine is handed (every default and world-dependent check settled there).
+  :class:`TrainPolicy` the engine is handed (every default and world-dependent check settled there, the
+  gradient bucket size a model gets by default among them: Note [bucket size]).
 """
 from zeropp.config.loader import (ConfigError, ConfigWarning, NotSupportedError, ZeroppConfig, load_config,
                                   parse_config, read_json)

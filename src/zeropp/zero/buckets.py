@@ -56,7 +56,7 @@ class GradBuckets:
     """Collects full gradients up to ``capacity`` padded elements, then reduces them as one bucket.
 
     A bucket is flushed before a gradient would take it past ``capacity``, so it never holds more than
-    ``capacity`` elements or one larger parameter (Note [bucket size] in ``config/buckets.py``). ``direct``
+    ``capacity`` elements or one larger parameter (Note [bucket size] in ``config/policy.py``). ``direct``
     (a world of one rank: nothing to reduce) adds each gradient into its row as it arrives, with no bucket.
     """
 

@@ -502,7 +502,7 @@ class ZeroEngine(nn.Module):
     # ---- the parts' state (zero/optimizer_step.py, config/policy.py) ----------------------------------------
     # what the parts hold, read (and the schedule replaced) through the engine
     reduce_bucket_size = _Delegated("policy", "reduce_bucket_size", "16-bit gradient elements the reduce buckets "
-                                    "hold (Note [bucket size] in config/buckets.py)")
+                                    "hold (Note [bucket size] in config/policy.py)")
     master_optimizer = _Delegated("stepper", "optimizer", "The torch optimizer over this rank's fp32 master chunks")
     optimizer = master_optimizer
     lr_scheduler = _Delegated("stepper", "scheduler", "The learning-rate schedule (a Trainer may replace it)",

@@ -9,7 +9,7 @@ import torch
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import ReduceStrategy
-from zeropp.config.buckets import bucket_capacity
+from zeropp.config.policy import bucket_capacity
 from zeropp.config.policy import StagePlan, TrainPolicy
 from zeropp.offload.link import HostLink
 from zeropp.offload.residency import Resident

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from zeropp.config.buckets import BUCKETS_IN_FLIGHT, largest_bucket
+from zeropp.config.policy import BUCKETS_IN_FLIGHT, largest_bucket
 from zeropp.partition.unit import Unit
 
 DEVICE, HOST = "device", "host"
@@ -253,7 +253,7 @@ def weight_storages(module: torch.nn.Module) -> set[int]:
 # payload and 2 bytes of fp32 scale per element each (a chunk holds at least 2 elements, Note [shard layout]),
 # a two-hop gather's first-hop rows (1/D of the received ones, Note [two-hop gather] in comm/gather.py), and the
 # decoded scales (<= 8 bytes in all). A reduction's bound is its strategy's ``buffer_bound`` of the largest
-# bucket (Note [bucket size] in config/buckets.py): the receive rows and the fp32 result row of a plain
+# bucket (Note [bucket size] in config/policy.py): the receive rows and the fp32 result row of a plain
 # reduce-scatter, the int4 wire rows, scale scratch and result row of qgZ.
 GATHERS_IN_FLIGHT = 2  # the gather being finished and one prefetch (ZeroEngine._prefetch)
 _BUFFER_SOURCES: dict[str, Callable[[], dict[str, int]]] = {}

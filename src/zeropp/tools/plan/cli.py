@@ -73,7 +73,7 @@ def _int_option(value: Optional[int], name: str, default: int) -> int:
 
 
 def _workload(args: argparse.Namespace, model: Any, base: Optional[dict[str, Any]]) -> Any:
-    from zeropp.config.buckets import default_reduce_bucket_size
+    from zeropp.config.policy import default_reduce_bucket_size
     from zeropp.tools.plan.schedule import Workload
 
     zero = (base or {}).get("zero_optimization") or {}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from zeropp import accounting
-from zeropp.config.buckets import BUCKETS_IN_FLIGHT, largest_bucket
+from zeropp.config.policy import BUCKETS_IN_FLIGHT, largest_bucket
 from zeropp.offload.cpu_adam import moment_storage_bytes
 from zeropp.partition.spec import ShardSpec
 from zeropp.tools.plan.choices import Choice

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from zeropp.config.buckets import bucket_capacity
+from zeropp.config.policy import bucket_capacity
 from zeropp.partition.spec import ShardSpec
 from zeropp.tools.plan import collectives as coll
 from zeropp.tools.plan.choices import Choice
