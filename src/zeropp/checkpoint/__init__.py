@@ -12,12 +12,12 @@ methods call (``zeropp.zero`` never imports this package); see also docs/checkpo
 from zeropp.checkpoint.consolidate import (
     FullCheckpoint, consolidate, load_full_checkpoint, write_state_dict,
 )
-from zeropp.checkpoint.engine_io import load_checkpoint, save_16bit_model, save_checkpoint
+from zeropp.checkpoint.engine_io import in_compute_dtype, load_checkpoint, save_16bit_model, save_checkpoint
 from zeropp.checkpoint.format import FORMAT_VERSION, CheckpointError, CheckpointWarning, IntegrityError, list_tags
 from zeropp.checkpoint.verify import VerifyReport, verify_checkpoint, verify_report
 
 __all__ = [
-    "save_checkpoint", "load_checkpoint", "save_16bit_model", "consolidate", "load_full_checkpoint",
+    "save_checkpoint", "load_checkpoint", "save_16bit_model", "in_compute_dtype", "consolidate", "load_full_checkpoint",
     "write_state_dict", "FullCheckpoint", "CheckpointError",
     "IntegrityError", "CheckpointWarning", "FORMAT_VERSION", "list_tags",
     "verify_checkpoint", "verify_report", "VerifyReport",

@@ -319,6 +319,17 @@ def _load(engine: ZeroEngine, load_dir: str, tag: Optional[str], what: What) -> 
 
 
 # ---- 16-bit weights --------------------------------------------------------------------------------------
+def in_compute_dtype(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` with its floating-point tensors cast to ``dtype``; tied keys keep sharing one tensor."""
+    cast: dict[int, torch.Tensor] = {}
+    out = {}
+    for key, t in state.items():
+        if id(t) not in cast:
+            cast[id(t)] = t.to(dtype) if t.is_floating_point() else t
+        out[key] = cast[id(t)]
+    return out
+
+
 def save_16bit_model(engine: ZeroEngine, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
     """Gather the full weights (every rank must call) and write them in the compute dtype from rank 0."""
     from zeropp.checkpoint.consolidate import write_state_dict
@@ -328,11 +339,7 @@ def save_16bit_model(engine: ZeroEngine, save_dir: str, save_filename: str = "py
     error: Optional[BaseException] = None
     if engine.topo.rank == 0:
         try:
-            cast: dict[int, torch.Tensor] = {}  # tied keys keep sharing one tensor
-            for key, t in state.items():
-                if id(t) not in cast:
-                    cast[id(t)] = t.to(engine.policy.compute_dtype) if t.is_floating_point() else t
-                state[key] = cast[id(t)]
+            state = in_compute_dtype(state, engine.policy.compute_dtype)
             os.makedirs(save_dir, exist_ok=True)
             write_state_dict(state, out)
         except Exception as err:  # noqa: BLE001

@@ -38,6 +38,7 @@ from zeropp.config.auto import AutoValues, resolve_auto
 from zeropp.config.legacy import json_short, translate_legacy
 from zeropp.config.schema import (
     DSBool,
+    DSSteps,
     DataTypesConfig,
     UNBUILT_OPTIMIZERS,
     UNBUILT_SCHEDULERS,
@@ -145,8 +146,9 @@ class ZeroppConfig(Section):
     zero_optimization: ZeroConfig = F(default_factory=ZeroConfig, doc="ZeRO stage and ZeRO++ switches.")
     topology: TopologyConfig = F(default_factory=TopologyConfig, doc="zeropp extension: node layout.")
     gradient_clipping: Number = F(0.0, ge=0, doc="Clip the global gradient norm to this; 0 = off.")
-    steps_per_print: DSInt = F(10, ge=1, doc="With `wall_clock_breakdown`, print the time report every this "
-                               "many optimizer steps.", status=STATUS_IMPLEMENTED)
+    steps_per_print: DSSteps = F(10, ge=1, doc="With `wall_clock_breakdown`, print the time report every this "
+                                 "many optimizer steps (`inf`, as accelerate writes it: never).",
+                                 status=STATUS_IMPLEMENTED)
     wall_clock_breakdown: DSBool = F(False, doc="Print `engine.time_report()` (where each step's time went) on "
                                    "rank 0 every `steps_per_print` steps.", status=STATUS_IMPLEMENTED)
     prescale_gradients: DSBool = F(False, doc="Divide gradients by the world size before the reduction instead of "
@@ -185,6 +187,14 @@ class ZeroppConfig(Section):
             raise problem("bf16.enabled and fp16.enabled are both true", "at most one of them true",
                           path="fp16.enabled")
         return self
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of a top-level key as DeepSpeed's engine keeps its config (a dict: sections as dicts), for
+        integrations that read ``engine.config.get("zero_optimization", {}).get("stage")``."""
+        if key not in type(self).model_fields:
+            return default
+        value = getattr(self, key)
+        return value.model_dump() if isinstance(value, BaseModel) else value
 
     def resolve_batch(self, world_size: int) -> BatchPlan:
         """Derive the three batch sizes for `world_size` ranks, as DeepSpeed does.

@@ -94,6 +94,19 @@ DSBool = Annotated[bool, BeforeValidator(as_flag)]
 """A bool that may be written `1`/`0`, as DeepSpeed's configs do (`"true"` and `2` stay errors)."""
 DSInt = Annotated[int, BeforeValidator(_integral)]
 """An integer that may be written `5e8` (an integral float), as in DeepSpeed's configs."""
+NEVER = 2**63 - 1
+"""A step interval that never comes round."""
+
+
+def _interval(value: Any) -> int:
+    """A number of steps; positive infinity (accelerate writes ``steps_per_print: inf``) is :data:`NEVER`."""
+    if isinstance(value, float) and value == math.inf:
+        return NEVER
+    return _integral(value)
+
+
+DSSteps = Annotated[int, BeforeValidator(_interval)]
+"""A step interval: an integer as :data:`DSInt`, or ``inf`` for never."""
 Number = Annotated[float, BeforeValidator(_number)]
 """A finite number (int or float); never a string or bool."""
 

@@ -14,7 +14,8 @@ the alias is installed.
 from typing import Any
 
 from zeropp._version import __version__ as __zeropp_version__
-from zeropp.deepspeed import checkpointing, comm, runtime, utils, zero
+from zeropp.deepspeed import accelerator, checkpoint, checkpointing, comm, ops, runtime, utils, zero
+from zeropp.deepspeed.accelerator import get_accelerator
 from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
 from zeropp.deepspeed.module_api import InitResult, add_config_arguments, init_distributed
 from zeropp.deepspeed.module_api import initialize as _initialize
@@ -22,7 +23,8 @@ from zeropp.deepspeed.runtime.engine import DeepSpeedEngine
 
 __version__ = "0.19.8"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "checkpointing", "utils", "runtime",
-           "comm", "DeepSpeedEngine", "DeepSpeedAPIError", "__zeropp_version__"]
+           "comm", "ops", "accelerator", "checkpoint", "get_accelerator", "DeepSpeedEngine", "DeepSpeedAPIError",
+           "__zeropp_version__"]
 
 
 def initialize(*args: Any, **kwargs: Any) -> InitResult:

@@ -16,8 +16,7 @@ class DeepSpeedAPIError(NotBuiltError):
 MISSING: dict[str, frozenset[str]] = {
     # deepspeed.<name>
     "deepspeed": frozenset({
-        "init_inference", "PipelineModule", "pipe", "ops", "moe", "profiling",
-        "accelerator", "get_accelerator", "compression", "inference", "module_inject",
+        "init_inference", "PipelineModule", "pipe", "moe", "profiling", "compression", "inference", "module_inject",
         "monitor", "elasticity", "autotuning", "sequence", "linear", "tp_model_init", "add_tuning_arguments",
         "DeepSpeedConfig", "InferenceEngine", "is_compile_supported",
     }),
@@ -27,7 +26,7 @@ MISSING: dict[str, frozenset[str]] = {
         "get_mom", "get_pld_theta", "monitor", "flops_profiler", "curriculum_learning_enabled",
         "random_ltd_enabled", "compression_scheduler", "pipeline_parallelism", "eigenvalue_enabled",
         "sparse_gradients_enabled", "data_efficiency_enabled", "offload_states", "reload_states",
-        "no_sync", "set_data_post_process_func",
+        "set_data_post_process_func",
         "set_custom_curriculum_learning_schedule", "get_sequence_parallel_group", "module_state_dict",
         "load_module_state_dict", "get_data_types", "optimizer_name", "timers",
         "training_dataloader", "dataloader_drop_last", "checkpoint_tag_validation_enabled", "client_optimizer",
@@ -46,6 +45,11 @@ MISSING: dict[str, frozenset[str]] = {
         "save_checkpoint_prologue", "save_checkpoint_epilogue", "update_lp_params", "round_robin_bit16_groups",
         "custom_loss_scaler", "external_loss_scale",
     }),
+    # deepspeed.runtime.lr_schedules.<name>: schedules DeepSpeed has and zeropp does not build
+    "deepspeed.runtime.lr_schedules": frozenset({"OneCycle", "LRRangeTest", "get_lr_from_config",
+                                                 "get_config_from_args", "add_tuning_arguments"}),
+    # deepspeed.ops.adam.<name>
+    "deepspeed.ops.adam": frozenset({"FusedAdam", "ZenFlowCPUAdam"}),
     # deepspeed.checkpointing.<name>: Megatron-style model parallelism's helpers
     "deepspeed.checkpointing": frozenset({
         "model_parallel_cuda_manual_seed", "get_cuda_rng_tracker", "CheckpointFunction", "non_reentrant_checkpoint",
@@ -53,8 +57,7 @@ MISSING: dict[str, frozenset[str]] = {
     }),
 }
 
-_WHERE = {"deepspeed": "deepspeed.{}", "engine": "engine.{}", "optimizer": "ZeRO optimizer attribute {!r}",
-          "deepspeed.checkpointing": "deepspeed.checkpointing.{}"}
+_WHERE = {"engine": "engine.{}", "optimizer": "ZeRO optimizer attribute {!r}"}
 
 
 def is_missing(where: str, name: str) -> bool:
@@ -64,5 +67,5 @@ def is_missing(where: str, name: str) -> bool:
 
 def missing(where: str, name: str, more: str = "") -> DeepSpeedAPIError:
     """The error for DeepSpeed's ``name`` under ``where``, which zeropp does not provide."""
-    what = _WHERE[where].format(name)
+    what = _WHERE.get(where, where + ".{}").format(name)
     return DeepSpeedAPIError(f"DeepSpeed's {what} is not implemented by zeropp yet" + (f"; {more}" if more else ""))

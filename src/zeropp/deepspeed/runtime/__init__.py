@@ -1,4 +1,4 @@
-"""``deepspeed.runtime``: the ``zero`` subpackage and ``engine.DeepSpeedEngine``."""
-from zeropp.deepspeed.runtime import engine, zero
+"""``deepspeed.runtime``: the ``zero`` subpackage, ``engine.DeepSpeedEngine`` and ``lr_schedules``."""
+from zeropp.deepspeed.runtime import engine, lr_schedules, zero
 
-__all__ = ["engine", "zero"]
+__all__ = ["engine", "lr_schedules", "zero"]

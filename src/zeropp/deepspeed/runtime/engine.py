@@ -25,8 +25,9 @@ A DeepSpeed engine name zeropp lacks raises :class:`DeepSpeedAPIError` naming it
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -204,6 +205,16 @@ class ZeroppEngine(ZeroEngine):
                                     "supported yet: leave it False (backward runs the compiled regions' graphs)")
         super().compile(backend, compile_kwargs)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-steps inside accumulate their gradients without reducing them. zeropp's stages 0-1 reduce only at
+        the accumulation boundary anyway, so nothing changes there; stages 2-3 reduce into shards as gradients
+        are produced and refuse it, as DeepSpeed does."""
+        if self.policy.stage >= 2:
+            raise AssertionError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                                 f"stage {self.policy.stage}")
+        yield
+
     # ---- checkpoints (every rank calls them) -------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Any = None,
                         save_latest: bool = True) -> str:
@@ -237,6 +248,20 @@ class ZeroppEngine(ZeroEngine):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
         """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""
         return checkpoint.save_16bit_model(self, save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[dict[str, torch.Tensor]]:
+        """The full state dict in the compute dtype on rank 0, None on the other ranks (collective: every rank
+        calls it); ``exclude_frozen_parameters`` leaves out parameters that do not require grad (a PEFT
+        model's base weights)."""
+        state = self.consolidated_state_dict()
+        if self.topo.rank != 0:
+            return None
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False)
+                      if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return checkpoint.in_compute_dtype(state, self.policy.compute_dtype)
 
     def save_fp16_model(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's older name of ``save_16bit_model``."""

@@ -1,0 +1,117 @@
+"""The DeepSpeed road: transformers' plain ``Trainer`` with ``TrainingArguments(deepspeed=config)`` trains through
+zeropp once ``zeropp.install_deepspeed_alias()`` ran before transformers was imported; no trainer class is
+swapped. 2 nodes x 2 ranks, stage 3, fp32, the config's batch and clipping values ``"auto"`` (the Trainer fills
+them), the Trainer's own AdamW and linear schedule. Against the plain Trainer in this process on the same rows
+per step: each step's loss, gradient norm and learning rate; a resume from the step-4 checkpoint continues with
+the same losses; ``save_model`` writes a ``model.safetensors`` that ``from_pretrained`` loads in this plain
+process to the engine's own weights and logits."""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from support.world import run_world
+
+STEPS, MICRO, RANKS = 6, 2, 4
+CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "train_batch_size": "auto", "gradient_clipping": "auto",
+          "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+          "topology": {"ranks_per_node": 2}}
+
+
+def llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def arguments(out: str, rows: int, deepspeed: dict | None) -> object:
+    from transformers import TrainingArguments
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=rows, max_steps=STEPS, learning_rate=1e-2,
+                             warmup_steps=1, lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=1,
+                             save_strategy="steps", save_steps=2, use_cpu=True, report_to=[], disable_tqdm=True,
+                             seed=0, train_sampling_strategy="sequential", deepspeed=deepspeed)
+
+
+def history(trainer: object) -> list[tuple[float, float, float]]:
+    return [(h["loss"], float(h["grad_norm"]), h["learning_rate"])
+            for h in trainer.state.log_history if "loss" in h]  # type: ignore[attr-defined]
+
+
+def run(rank: int, world: int, root: str) -> dict:
+    import zeropp
+    zeropp.install_deepspeed_alias()  # before transformers is imported, as a recipe's one changed line
+    import transformers
+
+    from zeropp.tools.demo.data import CorpusWindows
+    first = transformers.Trainer(model=llama(), args=arguments(os.path.join(root, "run"), MICRO, dict(CONFIG)),
+                                 train_dataset=CorpusWindows(32, 256))
+    first.train()
+    engine = first.model_wrapped
+    final = os.path.join(root, "final")
+    first.save_model(final)
+    state = engine.consolidated_state_dict()
+    resumed = transformers.Trainer(model=llama(), args=arguments(os.path.join(root, "run"), MICRO, dict(CONFIG)),
+                                   train_dataset=CorpusWindows(32, 256))
+    resumed.train(resume_from_checkpoint=os.path.join(root, "run", "checkpoint-4"))
+    return {"history": history(first), "resumed": history(resumed), "engine": type(engine).__name__,
+            "final": final, "state": state if rank == 0 else None}
+
+
+@functools.lru_cache(maxsize=None)
+def results(root: str) -> list:
+    # spawned ranks (env set): a fresh interpreter in which the alias is installed before transformers loads
+    return run_world(run, RANKS, root, ranks_per_node=2, env={"ZEROPP_FRESH_INTERPRETER": "1"})
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> list:
+    return results(str(tmp_path_factory.mktemp("road")))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(root: str) -> list[tuple[float, float, float]]:
+    """The plain Trainer in this process (no DeepSpeed, no zeropp): the 4 ranks' micro-batches in one."""
+    import transformers
+
+    from zeropp.tools.demo.data import CorpusWindows
+    trainer = transformers.Trainer(model=llama(), args=arguments(root, MICRO * RANKS, None),
+                                   train_dataset=CorpusWindows(32, 256))
+    trainer.train()
+    return history(trainer)
+
+
+def test_the_plain_trainer_with_deepspeed_config_trains_through_zeropp(world: list,
+                                                                        tmp_path_factory: pytest.TempPathFactory):
+    assert world[0]["engine"] == "DeepSpeedEngine"  # accelerate built it through deepspeed.initialize
+    ref = reference(str(tmp_path_factory.mktemp("road_ref")))
+    for rank in world:
+        got = rank["history"]
+        assert len(got) == len(ref) == STEPS
+        for step, (ours, theirs) in enumerate(zip(got, ref)):
+            assert ours == pytest.approx(theirs, abs=1e-5), f"step {step + 1}: (loss, grad norm, lr)"
+
+
+def test_resuming_from_a_checkpoint_continues_with_the_same_losses(world: list):
+    for rank in world:  # the state file brings steps 1-4's log; steps 5-6 are trained again after the load
+        assert len(rank["resumed"]) == STEPS
+        for ours, first in zip(rank["resumed"][4:], rank["history"][4:]):
+            assert ours == pytest.approx(first, abs=1e-6)
+
+
+def test_save_model_writes_weights_from_pretrained_loads_to_the_engines_logits(world: list):
+    from transformers import AutoModelForCausalLM
+    state = world[0]["state"]
+    loaded = AutoModelForCausalLM.from_pretrained(world[0]["final"])
+    assert os.path.exists(os.path.join(world[0]["final"], "model.safetensors"))
+    ours = llama()
+    ours.load_state_dict(state)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, state[name]), name  # fp32 training: the 16-bit save is the fp32 master
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ours(ids).logits)

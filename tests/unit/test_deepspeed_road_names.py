@@ -1,0 +1,94 @@
+"""The DeepSpeed names accelerate, transformers and TRL reach on their DeepSpeed road, through the alias:
+``runtime.lr_schedules``, ``checkpoint.utils.clone_tensors_for_torch_save``, ``accelerator.get_accelerator``,
+``ops.adam.DeepSpeedCPUAdam``, accelerate's ``steps_per_print: inf`` and ``engine.config.get``."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import zeropp
+from zeropp.config import ConfigError, load_config
+from zeropp.config.policy import resolve
+from zeropp.deepspeed.alias import uninstall_deepspeed_alias
+from zeropp.deepspeed.missing import DeepSpeedAPIError
+
+
+@pytest.fixture
+def alias():
+    zeropp.install_deepspeed_alias()
+    try:
+        yield
+    finally:
+        uninstall_deepspeed_alias()
+
+
+def test_lr_schedules_names_deepspeeds_schedules_and_builds_zeropps(alias):
+    import deepspeed
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupDecayLR
+    from zeropp.optim import WarmupDecayLR as ours
+    assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    assert deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES is VALID_LR_SCHEDULES  # accelerate's spelling
+    assert WarmupDecayLR is ours
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    sched = WarmupDecayLR(opt, total_num_steps=10, warmup_max_lr=0.5, warmup_num_steps=2, warmup_type="linear")
+    assert type(sched).__name__ in VALID_LR_SCHEDULES
+    with pytest.raises(DeepSpeedAPIError, match="deepspeed.runtime.lr_schedules.OneCycle"):
+        from deepspeed.runtime.lr_schedules import OneCycle  # noqa: F401
+
+
+def test_clone_tensors_for_torch_save_gives_each_tensor_its_own_storage(alias):
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    big = torch.arange(1000.0)
+    tree = {"w": big[10:14], "nested": [big[:2], (big[5:6], 3)], "n": "text"}
+    out = clone_tensors_for_torch_save(tree)
+    assert torch.equal(out["w"], big[10:14]) and out["w"].untyped_storage().nbytes() == 4 * 4
+    assert out["nested"][0].untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
+    assert isinstance(out["nested"][1], tuple) and out["nested"][1][1] == 3 and out["n"] == "text"
+
+
+def test_get_accelerator_names_this_processs_device(alias):
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    assert acc is deepspeed.get_accelerator() and acc.is_available()
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert acc.device_name() == want and acc.current_device_name().startswith(want)
+    assert acc.communication_backend_name() == ("nccl" if want == "cuda" else "gloo")
+    with pytest.raises(DeepSpeedAPIError, match="get_accelerator\\(\\).pin_memory"):
+        acc.pin_memory(torch.zeros(1))
+
+
+def test_deepspeed_cpu_adam_steps_as_torch_adamw(alias):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(64)), None
+    b = torch.nn.Parameter(a.detach().clone())
+    ours = DeepSpeedCPUAdam([a], lr=1e-2, weight_decay=0.1, adamw_mode=True)
+    ref = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        g = torch.randn(64, generator=torch.Generator().manual_seed(step))
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for bad in ({"bias_correction": False}, {"amsgrad": True}, {"fp32_optimizer_states": False}):
+        with pytest.raises(DeepSpeedAPIError, match=next(iter(bad))):
+            DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(2))], **bad)
+
+
+def test_accelerates_steps_per_print_inf_means_never():
+    cfg = load_config({"train_batch_size": 4, "steps_per_print": math.inf, "wall_clock_breakdown": True})
+    assert cfg.steps_per_print == 2**63 - 1
+    assert resolve(cfg, 1, torch.nn.Linear(2, 2)).print_every == 2**63 - 1  # never reached
+    for bad in (-math.inf, math.nan, 2.5):
+        with pytest.raises(ConfigError, match="steps_per_print"):
+            load_config({"train_batch_size": 4, "steps_per_print": bad})
+
+
+def test_the_config_answers_get_as_deepspeeds_engine_config_does():
+    cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3}})
+    assert cfg.get("zero_optimization", {}).get("stage") == 3  # transformers' save_model reads it so
+    assert cfg.get("train_batch_size") == 4 and cfg.get("no_such_key", "x") == "x"
+    assert isinstance(cfg.get("bf16"), dict)
