@@ -25,7 +25,7 @@ __all__ = ["initialize", "InitResult", "add_config_arguments", "init_distributed
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("utils", "runtime", "comm"):  # DeepSpeed's subpackages, for `import zeropp as deepspeed` scripts
+    if name in ("utils", "runtime"):  # DeepSpeed's subpackages, for `import zeropp as deepspeed` scripts
         import importlib
         return importlib.import_module(f"zeropp.deepspeed.{name}")
     if is_missing("deepspeed", name):

@@ -4,7 +4,9 @@ swapped. 2 nodes x 2 ranks, stage 3, fp32, the config's batch and clipping value
 them), the Trainer's own AdamW and linear schedule. Against the plain Trainer in this process on the same rows
 per step: each step's loss, gradient norm and learning rate; a resume from the step-4 checkpoint continues with
 the same losses; ``save_model`` writes a ``model.safetensors`` that ``from_pretrained`` loads in this plain
-process to the engine's own weights and logits."""
+process to the engine's own weights and logits. TRL's ``SFTTrainer`` with ``peft_config=`` (its default activation
+checkpointing on) and ``DPOTrainer`` with a LoRA policy, through ``deepspeed=`` only: the same losses and gradient
+norms as TRL's own trainers without DeepSpeed."""
 from __future__ import annotations
 
 import functools
@@ -59,7 +61,38 @@ def run(rank: int, world: int, root: str) -> dict:
                                    train_dataset=CorpusWindows(32, 256))
     resumed.train(resume_from_checkpoint=os.path.join(root, "run", "checkpoint-4"))
     return {"history": history(first), "resumed": history(resumed), "engine": type(engine).__name__,
-            "final": final, "state": state if rank == 0 else None}
+            "final": final, "state": state if rank == 0 else None,
+            "sft_lora": trl_sft(os.path.join(root, "sft_lora"), MICRO, dict(CONFIG)),
+            "dpo_lora": trl_dpo(os.path.join(root, "dpo_lora"), MICRO, dict(CONFIG))}
+
+
+def trl_sft(out: str, rows: int, deepspeed: dict) -> dict:
+    """TRL's SFTTrainer on its defaults with a LoRA adapter, ZeRO switched on by ``deepspeed=`` only."""
+    from trl import SFTConfig, SFTTrainer
+    from test_hf_peft import char_tokenizer, lora_config, sft_llama, text_lines
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=rows, max_steps=3, learning_rate=1e-3,
+                     logging_steps=1, save_strategy="no", use_cpu=True, report_to=[], disable_tqdm=True,
+                     max_length=48, train_sampling_strategy="sequential", bf16=False, seed=0, deepspeed=deepspeed)
+    assert args.gradient_checkpointing  # TRL's default, kept
+    trainer = SFTTrainer(model=sft_llama(), args=args, train_dataset=text_lines(), processing_class=char_tokenizer(),
+                         peft_config=lora_config())
+    trainer.train()
+    return {"history": [h[:2] for h in history(trainer)], "engine": type(trainer.model_wrapped).__name__}
+
+
+def trl_dpo(out: str, rows: int, deepspeed: dict) -> dict:
+    """TRL's DPOTrainer through ``deepspeed=`` with a LoRA policy (the reference is the policy without its
+    adapter)."""
+    from trl import DPOConfig, DPOTrainer
+    from test_hf_peft import char_tokenizer, lora_config, preferences, sft_llama
+    args = DPOConfig(output_dir=out, per_device_train_batch_size=rows, max_steps=3, learning_rate=1e-3,
+                     logging_steps=1, save_strategy="no", use_cpu=True, report_to=[], disable_tqdm=True,
+                     max_length=48, train_sampling_strategy="sequential", bf16=False, seed=0, deepspeed=deepspeed,
+                     gradient_checkpointing=True)
+    trainer = DPOTrainer(model=sft_llama(), args=args, train_dataset=preferences(), processing_class=char_tokenizer(),
+                         peft_config=lora_config())
+    trainer.train()
+    return {"history": [h[:2] for h in history(trainer)], "engine": type(trainer.model_wrapped).__name__}
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,3 +148,27 @@ def test_save_model_writes_weights_from_pretrained_loads_to_the_engines_logits(w
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, ours(ids).logits)
+
+
+def _matches(got: list, want: list) -> None:
+    assert len(got) == len(want) == 3
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g == pytest.approx(w, rel=1e-5), f"step {step + 1}: (loss, grad norm)"
+
+
+def test_trls_sft_trainer_with_lora_through_deepspeed_config_matches_trls_own(
+        world: list, tmp_path_factory: pytest.TempPathFactory):
+    from test_hf_peft import sft
+    want = sft(str(tmp_path_factory.mktemp("road_sft")), MICRO * RANKS, zeropp=False, peft=True)
+    for rank in world:
+        assert rank["sft_lora"]["engine"] == "DeepSpeedEngine"
+        _matches(rank["sft_lora"]["history"], want)
+
+
+def test_trls_dpo_trainer_with_a_lora_policy_through_deepspeed_config_matches_trls_own(
+        world: list, tmp_path_factory: pytest.TempPathFactory):
+    from test_hf_peft import dpo
+    want = dpo(str(tmp_path_factory.mktemp("road_dpo")), MICRO * RANKS, zeropp=False, peft=True)["history"]
+    for rank in world:
+        assert rank["dpo_lora"]["engine"] == "DeepSpeedEngine"
+        _matches(rank["dpo_lora"]["history"], want)

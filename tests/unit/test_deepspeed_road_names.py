@@ -92,3 +92,10 @@ def test_the_config_answers_get_as_deepspeeds_engine_config_does():
     assert cfg.get("zero_optimization", {}).get("stage") == 3  # transformers' save_model reads it so
     assert cfg.get("train_batch_size") == 4 and cfg.get("no_such_key", "x") == "x"
     assert isinstance(cfg.get("bf16"), dict)
+
+
+def test_trls_dotted_top_level_keys_are_set_aside_as_deepspeed_ignores_them():
+    with pytest.warns(UserWarning, match="zero_optimization.reduce_bucket_size: ignored: a dotted key"):
+        cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3},
+                           "zero_optimization.reduce_bucket_size": 100})
+    assert cfg.zero_optimization.reduce_bucket_size is None  # the section's own value, not the dotted key's

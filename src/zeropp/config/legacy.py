@@ -84,6 +84,12 @@ def translate_legacy(raw: Mapping[str, Any]) -> Translation:
         if key in tree:
             del tree[key]
             out.notes.append(f"{key}: ignored: DeepSpeed does not read this key either ({why})")
+    for key in [k for k in tree if isinstance(k, str) and "." in k]:
+        # TRL's prepare_deepspeed writes "zero_optimization.reduce_bucket_size" & co. at the top level; DeepSpeed
+        # reads sections, never such a key, so they change nothing there either
+        del tree[key]
+        out.notes.append(f"{key}: ignored: a dotted key at the top level; DeepSpeed does not read it either (the "
+                         f"setting belongs in its section: {key.split('.')[0]}: {{{key.split('.', 1)[1]}: ...}})")
     for key, (what, is_off) in NOT_IMPLEMENTED_FEATURES.items():
         if key in tree:
             value = tree.pop(key)
