@@ -6,7 +6,9 @@ per step: each step's loss, gradient norm and learning rate; a resume from the s
 the same losses; ``save_model`` writes a ``model.safetensors`` that ``from_pretrained`` loads in this plain
 process to the engine's own weights and logits. TRL's ``SFTTrainer`` with ``peft_config=`` (its default activation
 checkpointing on) and ``DPOTrainer`` with a LoRA policy, through ``deepspeed=`` only: the same losses and gradient
-norms as TRL's own trainers without DeepSpeed."""
+norms as TRL's own trainers without DeepSpeed. accelerate's own loop with ``DeepSpeedPlugin`` (``DummyOptim``,
+``DummyScheduler``, ``accumulate``, ``clip_grad_norm_``, ``save_state``/``load_state``): the same losses as the
+loop without DeepSpeed."""
 from __future__ import annotations
 
 import functools
@@ -172,3 +174,76 @@ def test_trls_dpo_trainer_with_a_lora_policy_through_deepspeed_config_matches_tr
     for rank in world:
         assert rank["dpo_lora"]["engine"] == "DeepSpeedEngine"
         _matches(rank["dpo_lora"]["history"], want)
+
+
+# ---- accelerate's own loop -----------------------------------------------------------------------------------
+GAS = 2
+SCHEDULE = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 2, "warmup_type": "linear"}
+LOOP_CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+               "scheduler": {"type": "WarmupLR", "params": SCHEDULE},
+               "zero_optimization": {"stage": 3}, "topology": {"ranks_per_node": 2}}
+
+
+def micro_batches(rank: int, world: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s micro-batches of token ids: consecutive rows of the shipped corpus, rank-major."""
+    from zeropp.tools.demo.data import CorpusWindows
+    data = CorpusWindows(32, 256)
+    return [torch.stack([data[((i * world + rank) * MICRO + j) % len(data)]["input_ids"] for j in range(MICRO)])
+            for i in range(4 * GAS)]
+
+
+def accelerate_loop(rank: int, world: int, root: str) -> dict:
+    import zeropp
+    zeropp.install_deepspeed_alias()
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(LOOP_CONFIG)),
+                              gradient_accumulation_steps=GAS)
+    model = llama()
+    optimizer = DummyOptim(model.parameters())
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, DummyScheduler(optimizer))
+    losses = []
+    for ids in micro_batches(rank, world):
+        with accelerator.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    before = model.consolidated_state_dict()
+    accelerator.save_state(os.path.join(root, "state"))
+    with torch.no_grad():  # spoil the weights: load_state must bring them back
+        for p in model.master_optimizer.param_groups[0]["params"]:
+            p.zero_()
+        model.masters_changed()
+    accelerator.load_state(os.path.join(root, "state"))
+    after = model.consolidated_state_dict()
+    return {"losses": losses, "engine": type(model).__name__,
+            "restored": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def test_accelerates_own_loop_with_the_deepspeed_plugin_matches_the_loop_without(
+        tmp_path_factory: pytest.TempPathFactory):
+    from zeropp.optim import WarmupLR
+    got = run_world(accelerate_loop, RANKS, str(tmp_path_factory.mktemp("road_loop")), ranks_per_node=2,
+                    env={"ZEROPP_FRESH_INTERPRETER": "1"})
+    assert all(r["engine"] == "DeepSpeedEngine" and r["restored"] for r in got)
+    model = llama()  # the same loop without DeepSpeed: the ranks' micro-batches in one, the loss over GAS
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    scheduler = WarmupLR(optimizer, **SCHEDULE)
+    per_rank = [micro_batches(r, RANKS) for r in range(RANKS)]
+    for i in range(4 * GAS):
+        ids = torch.cat([rows[i] for rows in per_rank])
+        loss = model(input_ids=ids, labels=ids).loss
+        (loss / GAS).backward()
+        mean = sum(r["losses"][i] for r in got) / RANKS  # every row has the same number of tokens
+        assert mean == pytest.approx(float(loss), abs=1e-5), f"micro-step {i + 1}"
+        if (i + 1) % GAS == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
