@@ -8,11 +8,15 @@ process to the engine's own weights and logits. TRL's ``SFTTrainer`` with ``peft
 checkpointing on) and ``DPOTrainer`` with a LoRA policy, through ``deepspeed=`` only: the same losses and gradient
 norms as TRL's own trainers without DeepSpeed. accelerate's own loop with ``DeepSpeedPlugin`` (``DummyOptim``,
 ``DummyScheduler``, ``accumulate``, ``clip_grad_norm_``, ``save_state``/``load_state``): the same losses as the
-loop without DeepSpeed."""
+loop without DeepSpeed. TRL's installed ``trl/scripts/sft.py`` runs unchanged under ``torchrun -m zeropp.tools.run``
+with ``--deepspeed`` and a local model directory."""
 from __future__ import annotations
 
 import functools
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -247,3 +251,38 @@ def test_accelerates_own_loop_with_the_deepspeed_plugin_matches_the_loop_without
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
+
+
+# ---- an unchanged script under the launcher ------------------------------------------------------------------
+def test_trls_sft_script_runs_unchanged_under_the_launcher(tmp_path: "os.PathLike[str]"):
+    """``torchrun ... -m zeropp.tools.run trl/scripts/sft.py --deepspeed ds.json`` on 2 ranks, a local model
+    directory and local rows. Stage 2: at stage 3 TRL loads the model through transformers' ZeRO-3
+    ``from_pretrained``, which zeropp does not serve yet (docs/hf.md)."""
+    import trl
+
+    from test_hf_peft import char_tokenizer, sft_llama, text_lines
+    model_dir, data_dir, out = (os.path.join(tmp_path, name) for name in ("model", "data", "out"))
+    sft_llama().save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    os.makedirs(data_dir)
+    with open(os.path.join(data_dir, "train.jsonl"), "w") as f:
+        f.writelines(json.dumps({"text": row["text"]}) + "\n" for row in text_lines())
+    config = os.path.join(tmp_path, "ds.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}, f)
+    script = os.path.join(os.path.dirname(trl.__file__), "scripts", "sft.py")
+    port = 29000 + os.getpid() % 1000
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         "-m", "zeropp.tools.run", script, "--model_name_or_path", model_dir, "--dataset_name", data_dir,
+         "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size", "2", "--deepspeed", config,
+         "--use_cpu", "--report_to", "none", "--max_length", "48", "--logging_steps", "1", "--save_strategy", "no",
+         "--disable_tqdm", "true"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "zeropp run: " in log and "with zeropp's DeepSpeed API as `deepspeed`" in log
+    losses = [float(line.split("'loss': '")[1].split("'")[0]) for line in log.splitlines() if "'loss': '" in line]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), log[-2000:]
+    assert os.path.exists(os.path.join(out, "model.safetensors"))

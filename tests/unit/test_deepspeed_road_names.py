@@ -99,3 +99,21 @@ def test_trls_dotted_top_level_keys_are_set_aside_as_deepspeed_ignores_them():
         cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3},
                            "zero_optimization.reduce_bucket_size": 100})
     assert cfg.zero_optimization.reduce_bucket_size is None  # the section's own value, not the dotted key's
+
+
+@pytest.mark.parametrize("launcher", [["-m", "zeropp.tools.run"], ["-m", "zeropp.tools.cli", "run"]])
+def test_the_launcher_installs_the_alias_before_the_script_imports_transformers(tmp_path, launcher):
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "recipe.py"
+    script.write_text("import json, sys\nfrom transformers.integrations import is_deepspeed_available\n"
+                      "import deepspeed\nprint(json.dumps({'argv': sys.argv, 'deepspeed': deepspeed.__name__, "
+                      "'available': is_deepspeed_available(), 'main': __name__}))\n")
+    proc = subprocess.run([sys.executable, *launcher, str(script), "--deepspeed", "ds.json"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"argv": [str(script), "--deepspeed", "ds.json"], "deepspeed": "zeropp.deepspeed",
+                   "available": True, "main": "__main__"}
+    assert "zeropp run: " in proc.stderr

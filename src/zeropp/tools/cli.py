@@ -251,6 +251,13 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
     add_arguments(p)
 
 
+def _run_parser(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("run", help="run a training script unchanged with zeropp installed as its `deepspeed` "
+                       "(put `-m zeropp.tools.run` where `python` goes under torchrun)")
+    p.add_argument("script", help="the script, run as __main__")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, as it reads them")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="zeropp", description="ZeRO-3 with ZeRO++ on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -261,6 +268,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _verify_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
+    _run_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
@@ -278,6 +286,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         from zeropp.tools.plan.cli import main as plan_main
 
         return plan_main(args)
+    if args.command == "run":
+        from zeropp.tools.run import run
+
+        run([args.script, *args.script_args])
+        return 0
     parser.error(f"unknown command {args.command}")
     return 2
 
