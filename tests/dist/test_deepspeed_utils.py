@@ -181,7 +181,10 @@ def ds_views(rank: int) -> dict:
                head_after=model.head.weight.ds_status)
     engine.empty_partition_cache()  # DeepSpeed's: the persistent head is freed too, and gathered at its next use
     out["head_emptied"] = model.head.weight.ds_status
+    ahead = []  # the second forward knows the order: the next unit (b) is being prefetched while a runs
+    model.pairs[0].a.register_forward_pre_hook(lambda *_: ahead.append(model.pairs[0].b.weight.ds_status))
     out["after_empty"] = float(engine(torch.ones(2, 4)))
+    out["prefetched"] = ahead
     try:
         p.ds_status = ZeroParamStatus.AVAILABLE
     except NotImplementedError as err:
@@ -572,6 +575,7 @@ def test_parameter_attributes_are_views_of_the_partitioned_state():
         assert v["persist_after"] is False and v["head_persist"] is True
         assert v["head_after"] is ZeroParamStatus.AVAILABLE  # kept gathered past the step, until its next use
         assert v["head_emptied"] is ZeroParamStatus.NOT_AVAILABLE and math.isfinite(v["after_empty"])
+        assert v["prefetched"] == [ZeroParamStatus.INFLIGHT]
         assert v["status"] is ZeroParamStatus.NOT_AVAILABLE and v["gathered"] is ZeroParamStatus.AVAILABLE
         assert v["after"] is ZeroParamStatus.NOT_AVAILABLE and v["in_forward"] == [ZeroParamStatus.AVAILABLE]
         assert len(set(v["ids"])) == len(v["ids"]) and v["engine_ids"] == list(range(len(v["engine_ids"])))

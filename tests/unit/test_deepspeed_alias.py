@@ -13,15 +13,6 @@ from zeropp.deepspeed.alias import DeepSpeedAliasError, uninstall_deepspeed_alia
 from zeropp.deepspeed.missing import DeepSpeedAPIError
 
 
-@pytest.fixture
-def alias():
-    zeropp.install_deepspeed_alias()
-    try:
-        yield
-    finally:
-        uninstall_deepspeed_alias()
-
-
 def test_deepspeeds_module_paths_import(alias):
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus

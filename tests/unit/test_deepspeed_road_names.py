@@ -8,20 +8,9 @@ import math
 import pytest
 import torch
 
-import zeropp
 from zeropp.config import ConfigError, load_config
 from zeropp.config.policy import resolve
-from zeropp.deepspeed.alias import uninstall_deepspeed_alias
 from zeropp.deepspeed.missing import DeepSpeedAPIError
-
-
-@pytest.fixture
-def alias():
-    zeropp.install_deepspeed_alias()
-    try:
-        yield
-    finally:
-        uninstall_deepspeed_alias()
 
 
 def test_lr_schedules_names_deepspeeds_schedules_and_builds_zeropps(alias):

@@ -205,6 +205,7 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 DEEPSPEED_NAMES_ALLOWED = {
     "zeropp": "the root exports DeepSpeed's module API (import zeropp as deepspeed) and the alias installer",
     "zeropp.tools.cli": "the export-deepspeed command calls the layer's exporter",
+    "zeropp.tools.run": "the launcher installs the alias before the script it runs",
     "zeropp.tools.cluster_bench.systems": "the benchmark runs real DeepSpeed as a peer",
     "zeropp.tools.cluster_bench.run": "the benchmark runs real DeepSpeed as a peer",
     "zeropp.hf.trainer": "the Trainer detects TrainingArguments.deepspeed",

@@ -112,7 +112,7 @@ class DeepSpeedParameter(nn.Parameter):
         if loc is not None:
             if loc.unit.state is UnitState.GATHERED:
                 return ZeroParamStatus.AVAILABLE
-            inflight = loc.unit in getattr(loc.engine, "_inflight", {})
+            inflight = loc.unit in loc.engine.gathers.inflight
             return ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
         rec = PARAMS.get(self)
         if rec is not None and rec.state is State.PARTITIONED:
