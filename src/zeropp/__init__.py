@@ -17,7 +17,7 @@ from zeropp import zero
 from zeropp._version import __version__
 from zeropp.deepspeed import checkpointing
 from zeropp.deepspeed.alias import install_deepspeed_alias, uninstall_deepspeed_alias
-from zeropp.deepspeed.missing import is_missing, missing
+from zeropp.deepspeed.missing import module_getattr
 from zeropp.deepspeed.module_api import InitResult, add_config_arguments, init_distributed, initialize
 
 __all__ = ["initialize", "InitResult", "add_config_arguments", "init_distributed", "zero", "checkpointing",
@@ -28,6 +28,7 @@ def __getattr__(name: str) -> Any:
     if name in ("utils", "runtime"):  # DeepSpeed's subpackages, for `import zeropp as deepspeed` scripts
         import importlib
         return importlib.import_module(f"zeropp.deepspeed.{name}")
-    if is_missing("deepspeed", name):
-        raise missing("deepspeed", name)
-    raise AttributeError(f"module 'zeropp' has no attribute {name!r}")
+    return _deepspeed_getattr(name)
+
+
+_deepspeed_getattr = module_getattr("deepspeed", module="zeropp")  # a DeepSpeed name zeropp lacks: an error naming it

@@ -37,7 +37,7 @@ from zeropp.plus.qgz import QuantizedReduce
 from zeropp.plus.qwz import QuantizedGather
 from zeropp.topology import Group
 from zeropp.zero import init_context
-from zeropp.config.policy import TrainPolicy, resolve
+from zeropp.config.policy import StagePlan, TrainPolicy, resolve
 from zeropp.zero.engine import ZeroEngine
 from zeropp.zero.strategies import Strategies
 
@@ -158,7 +158,8 @@ def build(
     make_optimizer = _optimizer_factory(optimizer, dict(model.named_parameters()), cfg, policy)
     _mark_leaves(model, zero)
     # NVMe files are created and their space reserved now: a bad path fails before any work
-    residency = build_residency(zero, model, topo.world_size if zero.stage >= 1 else 1, compute_dtype, topo.rank)
+    residency = build_residency(zero, model, StagePlan(zero.stage).shard_world(topo.world_size), compute_dtype,
+                                topo.rank)
     try:
         link = build_link(_model_device(model), offload or policy.offload_param, policy.pin_memory)
         with init_context.paused():  # built inside zero.Init: the engine is not a module being built

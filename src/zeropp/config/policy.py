@@ -66,6 +66,10 @@ class StagePlan:
         """Stages 1-3: fp32 masters and optimizer state are cut over the world (stage 0: a group of one)."""
         return self.stage >= 1
 
+    def shard_world(self, world_size: int) -> int:
+        """Ranks the fp32 masters and optimizer state are cut over: the world, or one rank at stage 0."""
+        return world_size if self.shards_optimizer else 1
+
     @property
     def reduces_as_ready(self) -> bool:
         """Stages 2-3: gradients are reduced into shards while backward runs, not kept whole until the step."""
@@ -132,7 +136,7 @@ def resolve(cfg: ZeroppConfig, world_size: int, model: nn.Module) -> TrainPolicy
         train_batch_size=batch.train_batch_size,
         gradient_clipping=cfg.gradient_clipping,
         reduce_bucket_size=zero.reduce_bucket_size if zero.reduce_bucket_size is not None
-        else default_reduce_bucket_size(_trainable_elements(model, world_size if zero.stage >= 1 else 1)),
+        else default_reduce_bucket_size(_trainable_elements(model, StagePlan(zero.stage).shard_world(world_size))),
         stage=zero.stage,
         loss_scaling=loss_scaling,
         delayed_update_after=_delayed_update_after(zero),

@@ -16,7 +16,7 @@ from typing import Any
 from zeropp._version import __version__ as __zeropp_version__
 from zeropp.deepspeed import accelerator, checkpoint, checkpointing, comm, ops, runtime, utils, zero
 from zeropp.deepspeed.accelerator import get_accelerator
-from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
+from zeropp.deepspeed.missing import DeepSpeedAPIError, module_getattr
 from zeropp.deepspeed.module_api import InitResult, add_config_arguments, init_distributed
 from zeropp.deepspeed.module_api import initialize as _initialize
 from zeropp.deepspeed.runtime.engine import DeepSpeedEngine
@@ -38,7 +38,4 @@ def initialize(*args: Any, **kwargs: Any) -> InitResult:
 initialize.__wrapped__ = _initialize  # type: ignore[attr-defined]
 
 
-def __getattr__(name: str) -> Any:
-    if is_missing("deepspeed", name):
-        raise missing("deepspeed", name)
-    raise AttributeError(f"module 'deepspeed' (zeropp's DeepSpeed API) has no attribute {name!r}")
+__getattr__ = module_getattr("deepspeed")

@@ -12,7 +12,7 @@ from zeropp.activation import checkpointing as core
 from zeropp.activation.checkpointing import (Settings, apply_config, attach, buffer_bytes,
                                              gradient_checkpointing_enable, is_configured, reset, set_link,
                                              settings, settings_from, timings)
-from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
+from zeropp.deepspeed.missing import DeepSpeedAPIError, module_getattr
 from zeropp.errors import NotBuiltError
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "apply_config", "set_link", "timings", "settings",
@@ -67,7 +67,4 @@ def _pick(argument: Any, from_config: Any) -> Any:
     return argument if argument is not None else from_config
 
 
-def __getattr__(name: str) -> Any:
-    if is_missing("deepspeed.checkpointing", name):
-        raise missing("deepspeed.checkpointing", name)
-    raise AttributeError(f"module 'deepspeed.checkpointing' has no attribute {name!r}")
+__getattr__ = module_getattr("deepspeed.checkpointing")

@@ -6,6 +6,8 @@ package and taking it out of this table.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from zeropp.errors import NotBuiltError
 
 
@@ -63,6 +65,19 @@ _WHERE = {"engine": "engine.{}", "optimizer": "ZeRO optimizer attribute {!r}"}
 def is_missing(where: str, name: str) -> bool:
     """Whether ``name`` is a DeepSpeed name under ``where`` (a key of :data:`MISSING`) that zeropp lacks."""
     return name in MISSING[where]
+
+
+def module_getattr(where: str, module: str = "") -> Callable[[str], Any]:
+    """The module-level ``__getattr__`` of a module that serves DeepSpeed's module ``where`` (``module``: its
+    own name, when not that one): a DeepSpeed name it lacks raises :class:`DeepSpeedAPIError` naming it, any
+    other name an ``AttributeError``."""
+    shown = f"'{module}'" if module else f"'{where}' (zeropp's DeepSpeed API)"
+
+    def __getattr__(name: str) -> Any:
+        if is_missing(where, name):
+            raise missing(where, name)
+        raise AttributeError(f"module {shown} has no attribute {name!r}")
+    return __getattr__
 
 
 def missing(where: str, name: str, more: str = "") -> DeepSpeedAPIError:

@@ -115,7 +115,7 @@ class ZeroEngine(nn.Module):
         self.policy = policy
         self.plan = StagePlan(policy.stage)
         self._cast_buffers(policy.compute_dtype)
-        self.shard_world = topo.world_size if self.plan.shards_optimizer else 1
+        self.shard_world = self.plan.shard_world(topo.world_size)
         if strategies.frozen_units is not None and (not self.plan.shards_weights or policy.offload_param
                                                      or self.residency.swaps_states):
             raise ValueError("zero_quantized_nontrainable_weights: frozen weights are kept quantized in stage 3's "
@@ -480,8 +480,7 @@ class ZeroEngine(nn.Module):
         ``step()``'s part. Collective, as a boundary's step."""
         scale_before = self.loss_scale
         with self.timer.span("optimizer"):
-            if self._backward_open:
-                self._finish_backward()
+            self.finish_backward()
             self.join_update()
             self._step_window(delayed=False, schedule=False)
         self.strategies.reduce.end_step(self.loss_scale / scale_before)
@@ -599,7 +598,6 @@ class ZeroEngine(nn.Module):
         self.residency.close()
         if self.use is not None:
             idle_watch.unwatch(self.use)
-
 
     # ---- compilation and the model's attributes ------------------------------------------------------------
     def compile(self, backend: Any = "inductor", compile_kwargs: Optional[dict[str, Any]] = None) -> None:

@@ -29,8 +29,7 @@ class GradIntake:
 
     def __init__(self, reduce: ReduceStrategy, order: CollectiveOrder, *, stepped: list[Unit], policy: TrainPolicy,
                  plan: StagePlan, topo: Topology, comm: Comm, residency: Resident, link: HostLink) -> None:
-        shard_world = topo.world_size if plan.shards_optimizer else 1
-        self.buckets = GradBuckets(reduce, shard_world, bucket_capacity(policy.reduce_bucket_size), residency, link,
+        self.buckets = GradBuckets(reduce, plan.shard_world(topo.world_size), bucket_capacity(policy.reduce_bucket_size), residency, link,
                                    direct=topo.world_size == 1)
         self.stepped = stepped
         self.order, self.policy, self.plan, self.topo, self.comm = order, policy, plan, topo, comm

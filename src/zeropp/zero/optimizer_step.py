@@ -48,7 +48,7 @@ class OptimizerStep:
         self.loss_scaler = LossScaler.from_config(s.loss_scale, s.initial_scale_power, s.window, s.hysteresis,
                                                   s.min_scale) if s is not None else None
         self._copy_back, self._gather_resident, self._step_number = copy_back, gather_resident, step_number
-        self.shard_world = topo.world_size if plan.shards_optimizer else 1
+        self.shard_world = plan.shard_world(topo.world_size)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
         self.skipped = False  # the last step was skipped
         self.global_grad_norm: Optional[float] = None

@@ -4,9 +4,7 @@
 in ``VALID_LR_SCHEDULES``, as DeepSpeed names them, and raise :class:`DeepSpeedAPIError` when asked for."""
 from __future__ import annotations
 
-from typing import Any
-
-from zeropp.deepspeed.missing import is_missing, missing
+from zeropp.deepspeed.missing import module_getattr
 from zeropp.optim import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 LR_RANGE_TEST = "LRRangeTest"
@@ -20,7 +18,4 @@ __all__ = ["VALID_LR_SCHEDULES", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", 
            "WARMUP_LR", "WARMUP_DECAY_LR", "WARMUP_COSINE_LR"]
 
 
-def __getattr__(name: str) -> Any:
-    if is_missing("deepspeed.runtime.lr_schedules", name):
-        raise missing("deepspeed.runtime.lr_schedules", name)
-    raise AttributeError(f"module 'deepspeed.runtime.lr_schedules' has no attribute {name!r}")
+__getattr__ = module_getattr("deepspeed.runtime.lr_schedules")

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
+from zeropp.deepspeed.missing import DeepSpeedAPIError, module_getattr
 from zeropp.offload.cpu_adam import CpuAdam
 
 __all__ = ["DeepSpeedCPUAdam"]
@@ -31,7 +31,4 @@ class DeepSpeedCPUAdam(CpuAdam):
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
 
 
-def __getattr__(name: str) -> Any:
-    if is_missing("deepspeed.ops.adam", name):
-        raise missing("deepspeed.ops.adam", name)
-    raise AttributeError(f"module 'deepspeed.ops.adam' has no attribute {name!r}")
+__getattr__ = module_getattr("deepspeed.ops.adam")
