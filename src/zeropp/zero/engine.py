@@ -419,6 +419,8 @@ class ZeroEngine(nn.Module):
     def force_boundary(self, is_boundary: Optional[bool]) -> None:
         """Make the next ``step()`` calls step the optimizer (True) or only accumulate (False) whatever the
         micro-step count says, until called with None; the engine counts such a window as a whole one."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"the accumulation boundary is True, False or None, got {is_boundary!r}")
         self._boundary_override = is_boundary
 
     @property

@@ -173,8 +173,6 @@ class ZeroppEngine(ZeroEngine):
         """Make the next ``step()`` calls step the optimizer (True) or only accumulate (False) whatever the
         micro-step count says, until called with None. An epoch's last, shorter window is the use
         (transformers' Trainer, accelerate); the engine then counts that window as a whole one."""
-        if is_boundary is not None and not isinstance(is_boundary, bool):
-            raise TypeError(f"set_gradient_accumulation_boundary: True, False or None, got {is_boundary!r}")
         self.force_boundary(is_boundary)
 
     def empty_partition_cache(self) -> None:
