@@ -219,3 +219,19 @@ def test_units_with_frozen_and_trainable_parameters_stay_for_the_inputs_gradient
 @pytest.mark.parametrize("cell", FULL, ids=["-".join(c) for c in FULL])
 def test_full_matrix(cell: tuple) -> None:
     _check(cell, results("full"))
+
+
+# the cells where a recomputed forward reads released frozen weights, on a torch without
+# torch.overrides.redispatch_function (before 2.13; Note [torch without one-hop skip] in zero/idle_watch.py)
+BEFORE_SKIP = [("lora_llama", "hf_nonreentrant", "plus"), ("lora_llama", "hf_reentrant", "plain"),
+               ("gpt2_frozen", "torch_block", "offload_param")]
+
+
+def cells_before_one_hop_skip(rank: int, world: int, chosen: list) -> dict:
+    del torch.overrides.redispatch_function  # this rank's torch, as one before 2.13
+    return cells(rank, world, chosen)
+
+
+@pytest.mark.parametrize("cell", BEFORE_SKIP, ids=["-".join(c) for c in BEFORE_SKIP])
+def test_recompute_on_a_torch_without_one_hop_skip(cell: tuple) -> None:
+    _check(cell, run_world(cells_before_one_hop_skip, 4, [cell], ranks_per_node=2))

@@ -26,7 +26,8 @@ engine's backward enters autograd through ``Tensor.backward``, so a watch that c
 off for every backward: a recomputed forward read a released frozen weight through a native kernel and the
 process died with SIGSEGV. So both watches (this one and ``ParamUse``'s) call ``func`` with themselves pushed
 back on the stack and one level of dispatch skipped (``torch.overrides.redispatch_function``): no torch call
-made while a watch is installed runs without it, whatever Python the call runs inside.
+made while a watch is installed runs without it, whatever Python the call runs inside (on a torch before 2.13,
+inside the backward only: Note [torch without one-hop skip]).
 
 An alias made while the weights were gathered (``d = w.detach()`` inside a forward, read after it) is seen
 too: its storage is the released unit's (Note [released storage] in ``partition/unit.py``). What is still not
@@ -74,12 +75,57 @@ def run_watched(mode: TorchFunctionMode, func: Any, types: Any, args: tuple, kwa
         # native: nothing inside it makes torch calls. ``pending is func``: the skipped hop went to another
         # call, so ``func`` came back here; it runs as torch runs any handler's call, without the mode
         return func(*args, **kwargs)
+    skip_one_hop = getattr(torch.overrides, "redispatch_function", None)
+    if skip_one_hop is None:  # Note [torch without one-hop skip]
+        return _run_watched_before_skip(mode, func, args, kwargs)
     _REDISPATCH.func = func
     try:
         with mode:
-            return torch.overrides.redispatch_function(func, types, args, kwargs)
+            return skip_one_hop(func, types, args, kwargs)
     finally:
         _REDISPATCH.func = None
+
+
+# Note [torch without one-hop skip]: ``torch.overrides.redispatch_function`` (torch 2.13) is what keeps a watch on
+# inside a Python-bodied torch function. Without it there is no way back into such a function's body with the
+# mode on the stack (its first line would hand the call to the mode again), so on an older torch the body runs
+# as torch runs any handler's call: unwatched. Except the backward, which matters most (activation checkpointing
+# recomputes forwards inside it, Note [watches stay on]): ``Tensor.backward`` and ``torch.autograd.backward`` are
+# run through autograd's engine entry with the mode on the stack, as their own bodies would.
+def _run_watched_before_skip(mode: TorchFunctionMode, func: Any, args: tuple, kwargs: dict) -> Any:
+    if func is torch.Tensor.backward:
+        tensor, *rest = args
+        names = ("gradient", "retain_graph", "create_graph", "inputs")
+        bound = dict(zip(names, rest), **kwargs)
+        with mode:
+            return _engine_backward(tensor, bound.get("gradient"), bound.get("retain_graph"),
+                                    bound.get("create_graph", False), bound.get("inputs"))
+    if func is torch.autograd.backward and "grad_variables" not in kwargs and len(args) <= 5:
+        names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "inputs")
+        bound = dict(zip(names, args), **kwargs)
+        with mode:
+            return _engine_backward(bound["tensors"], bound.get("grad_tensors"), bound.get("retain_graph"),
+                                    bound.get("create_graph", False), bound.get("inputs"))
+    return func(*args, **kwargs)
+
+
+def _engine_backward(tensors: Any, grads: Any, retain_graph: Optional[bool], create_graph: bool,
+                     inputs: Any) -> None:
+    """What ``torch.autograd.backward`` does after its argument checks: autograd's engine, called directly."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    if inputs is None:
+        inputs = ()
+    elif isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    else:
+        inputs = tuple(inputs)
+        if not inputs:
+            raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)), is_grads_batched=False)
+    _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                         inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 _MODE = threading.local()  # .mode: this thread's _IdleMode, once installed
