@@ -20,6 +20,7 @@ import zeropp
 from support.models import TiedNet
 from support.train import config, train_steps
 from support.world import run_world
+from zeropp.offload.cpu_adam import CpuAdam
 from zeropp.offload.link import ThreadedLink
 from zeropp.zero.gathers import Gathers
 
@@ -28,6 +29,8 @@ STEPS, GB = 6, 8
 CASES = [(stage, dtype, dpu) for stage in (1, 2, 3, "zeropp") for dtype in ("fp32", "bf16") for dpu in (False, True)]
 ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
 # through ThreadedLink: every stage, both dtypes, with and without DPU
+# the host step in groups of one unit (sub_group_size 1: Note [host step in groups]), bit for bit the plain run
+GROUPED_CASES = [(2, "bf16", False), (3, "bf16", False), (3, "fp32", False), ("zeropp", "bf16", False)]
 LINK_CASES = [(1, "bf16", True), (2, "fp32", False), (2, "bf16", False), (3, "bf16", False), (3, "fp32", True),
               ("zeropp", "bf16", True)]
 
@@ -57,6 +60,17 @@ def run(rank: int, world: int) -> dict:
            for case in CASES for offload in (False, True)}
     for case in LINK_CASES:
         out[(case, "threaded")] = train(rank, world, case_config(*case, True), ThreadedLink())
+    for case in GROUPED_CASES:
+        cfg = case_config(*case, True)
+        cfg["zero_optimization"]["sub_group_size"] = 1
+        calls = []
+        step = CpuAdam.step
+
+        def counted(self: CpuAdam, *args: object, **kwargs: object) -> object:
+            calls.append(1)
+            return step(self, *args, **kwargs)
+        with mock.patch.object(CpuAdam, "step", counted):
+            out[(case, "grouped")] = {**train(rank, world, cfg), "step_calls": len(calls)}
     with mock.patch.object(Gathers, "await_upload", lambda self, unit: None):  # a gather that does not wait
         # a slower copy engine: the early read must land before the copy even on a loaded machine
         out["no_wait"] = train(rank, world, case_config(3, "bf16", False, True), ThreadedLink(delay=0.05))
@@ -94,3 +108,13 @@ def test_a_gather_that_skips_the_upload_wait_reads_poisoned_weights():
     for rank_result in results():
         losses = rank_result["no_wait"]["losses"]
         assert not math.isnan(losses[0]) and math.isnan(losses[-1])
+
+
+@pytest.mark.parametrize("stage,dtype,dpu", GROUPED_CASES)
+def test_the_host_step_in_groups_equals_the_plain_run(stage, dtype, dpu):
+    for rank_result in results():
+        plain, grouped = rank_result[((stage, dtype, dpu), False)], rank_result[((stage, dtype, dpu), "grouped")]
+        assert grouped["step_calls"] > STEPS  # more than one group a step
+        assert grouped["losses"] == plain["losses"]
+        for key, value in plain["state"].items():
+            assert torch.equal(grouped["state"][key], value), key

@@ -45,10 +45,33 @@ ADAM_MOMENTS = 2  # fp32 tensors of optimizer state per element the optimizer bu
 
 
 class Resident:
-    """No NVMe: every model-state tensor stays where the unit put it."""
+    """No NVMe: every model-state tensor stays where the unit put it.
+
+    ``step_elements`` (optimizer offload to the host: ``sub_group_size``) tiles the optimizer step into groups
+    of units of at most that many elements each (a unit larger than that is a group alone): the fp32 copies of
+    16-bit gradient rows that a step reads are then made one group at a time (Note [host step in groups]).
+    0: one group.
+    """
 
     swaps_shards = False  # the 16-bit shards leave memory (so they are never the fp32 master itself)
     swaps_states = False  # masters, gradient rows and optimizer state leave memory
+    step_elements = 0
+
+    # Note [host step in groups]: with the optimizer on the host, the host holds per parameter the fp32 master (4
+    # bytes), Adam's two moments (8), the 16-bit gradient row (2) and the 16-bit staging row the update writes for
+    # the upload (2): 16 bytes, as DeepSpeed's ZeRO-Offload. A step that converted every gradient row to fp32
+    # at once (and kept the copies from the norm's pass to the update's) added 4 bytes per parameter at its peak:
+    # a 5.9B model's step was killed for host memory on a 128 GiB machine. In groups of ``sub_group_size``
+    # elements the conversion costs one group's fp32 rows, made twice (norm, update) instead of kept.
+
+    def __init__(self, step_elements: int = 0) -> None:
+        self.step_elements = step_elements
+
+    @property
+    def caches_grads(self) -> bool:
+        """Whether the step keeps each unit's fp32 gradient between its two passes (the norm, the update)
+        instead of converting the row again."""
+        return not self.swaps_states and not self.step_elements
 
     def adopt(self, unit: Unit) -> None:
         """A unit was just built."""
@@ -80,7 +103,19 @@ class Resident:
     def optimizer_pass(self, units: list[Unit]) -> Iterator[list[Unit]]:
         """Groups of units to step; inside one, masters, gradients, optimizer state and shards are in
         memory; afterwards they are written back and the gradient rows are cleared."""
-        yield units
+        if not self.step_elements:
+            yield units
+            return
+        group: list[Unit] = []
+        elements = 0
+        for u in units:
+            if group and elements + u.row.numel > self.step_elements:
+                yield group
+                group, elements = [], 0
+            group.append(u)
+            elements += u.row.numel
+        if group:
+            yield group
 
     def clear_grads(self, units: list[Unit], keep_rows: bool) -> None:
         """Gradient rows back to zero after the step (``keep_rows=False``: free them)."""
@@ -365,7 +400,8 @@ def build_residency(zero: object, model: nn.Module, world: int, compute_dtype: t
     opt_nvme = off_opt is not None and off_opt.device == "nvme"
     par_nvme = off_par is not None and off_par.device == "nvme"
     if not (opt_nvme or par_nvme):
-        return Resident()
+        host_step = off_opt is not None and off_opt.device == "cpu"
+        return Resident(int(getattr(zero, "sub_group_size", 0) or 0) if host_step else 0)
     elem = torch.empty((), dtype=compute_dtype).element_size()
     chunks = [ShardSpec(p.numel(), p.shape, world).chunk for p in _unique_params(model)]
     params = states = None

@@ -85,7 +85,7 @@ class OptimizerStep:
                 g = u.grad_row().to(torch.float32, copy=background)
                 if unscale != 1.0:
                     g.mul_(unscale)
-                if not self.residency.swaps_states:
+                if self.residency.caches_grads:
                     cache[u] = g
             return g
 
