@@ -82,6 +82,9 @@ def targets(rows: list[dict[str, Any]], bandwidths: list[str], slow: str = "200m
             _ratio(_step(rows, "zeropp_zero3", bw), _step(rows, "fsdp2", bw)), 1.1)
         add(f"{bw}: zeropp ZeRO-3 step / DeepSpeed ZeRO-3 step",
             _ratio(_step(rows, "zeropp_zero3", bw), _step(rows, "ds_zero3", bw)), 1.0)
+        # the host cost per unit (bench/bench_host_cost.py's model): at most twice DDP's step
+        add(f"{bw}: zeropp ZeRO-3 step / DDP step", _ratio(_step(rows, "zeropp_zero3", bw), _step(rows, "ddp", bw)),
+            2.0)
     last = bandwidths[-1] if bandwidths else None
     if last:
         base = find(rows, "ddp", last) or find(rows, "zeropp_zero3", last)
