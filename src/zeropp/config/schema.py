@@ -291,8 +291,8 @@ class ZeroConfig(Section):
                              "all-reduce of whole buckets, each rank keeping its part (twice the bytes).")
     allgather_partitions: DSBool = F(True, doc="All-gather vs. broadcasts in stage 1/2.", status=STATUS_TUNING)
     round_robin_gradients: DSBool = F(False, doc="Stage 1/2 CPU-offload copy ordering.", status=STATUS_TUNING)
-    sub_group_size: DSInt = F(1_000_000_000, ge=0, doc="Optimizer-step tile size (DeepSpeed offload).",
-                              status=STATUS_TUNING)
+    sub_group_size: DSInt = F(1_000_000_000, ge=0, doc="Optimizer offload to the host: the step's groups of at "
+                              "most this many elements (0: one group).")
     ignore_unused_parameters: DSBool = F(True, doc="Stages 1-2: tolerate trainable parameters that get no gradient "
                                        "(false: each backward checks, and every rank raises naming them).")
     enable_sanity_checks: DSBool = F(False, doc="An in-place write inside GatheredParameters(modifier_rank=None): "
