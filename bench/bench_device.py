@@ -25,7 +25,8 @@ the same seed) on the same token batches with AdamW, bf16 compute and fp32 maste
 Timing: ``--warmup`` steps, then ``--steps`` steps between CUDA events (a host clock on the CPU), loss read
 after the last. MFU counts FLOPs per token as torchtitan does, ``6 * N + 12 * layers * heads * head_dim *
 seq``, N the parameters in matmuls (all but the input embedding; the LM head counted even when tied), over
-the device's dense bf16 peak (named in the output). Ratios are to ``plain`` in the same call.
+the device's dense bf16 peak (named in the output). Ratios are to ``plain`` in the same call. ``--profile``
+writes each row's ``torch.profiler`` table (two more steps, ops by host time) beside ``--out``.
 """
 from __future__ import annotations
 
@@ -260,6 +261,8 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
                            "warmup_s": warmup_s, "losses": [float(v) for v in losses],
                            "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                            "graphs_after_warmup": graphs_after_warmup, "graphs_at_end": _graphs()}
+    if args.profile:
+        out["profile"] = _profile(step, batches[-1], cuda)
     if cuda:
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
@@ -267,6 +270,20 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
             out["mfu"] = flops_per_token(args.model, args.seq) * tokens_s / peak
     dist.destroy_process_group()
     return out
+
+
+def _profile(step: Callable[[Any], Any], x: Any, cuda: bool) -> str:
+    """``torch.profiler`` over two more steps: the ops with the most host (CPU) time, as a table."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step(x)
+        if cuda:
+            torch.cuda.synchronize()
+    table: str = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    return table
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -352,6 +369,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="ZeRO-Offload's rows instead")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile two steps of each row (torch.profiler); tables beside --out")
     p.add_argument("--row-timeout", type=float, default=150.0, help="seconds one row may take, start-up included")
     p.add_argument("--out", default=None, help="default bench/results/device.json (device_offload.json)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -396,6 +415,10 @@ def main(argv: list[str] | None = None) -> None:
                             if "tokens_per_s" in r else str(r.get("skipped") or r.get("error"))), flush=True)
         if "traceback" in r:
             print(r["traceback"][-1500:], flush=True)
+        if "profile" in r:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(os.path.splitext(args.out)[0] + f"_{row}_profile.txt", "w") as f:
+                f.write(r["profile"])
         write_results(args.out, {"meta": meta, "rows": results})
     print(_table(results))
 

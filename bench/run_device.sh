@@ -3,6 +3,7 @@
 #
 #   bench/run_device.sh 1   # make test-gpu's tests, then bench_device.py's main rows (eager, compiled, checkpointed)
 #   bench/run_device.sh 2   # ZeRO-Offload's headline rows, then the remaining compiled/checkpointed rows
+#   bench/run_device.sh 3   # torch.profiler tables of the eager and compiled rows of FSDP2 and zeropp
 #
 # Runs with the machine's own python3 and packages (zeropp from src/ on PYTHONPATH, no install); DeepSpeed and
 # its pure-Python needs travel as wheels in .whl/ (docs/benchmarks.md says how they were made). Every step has
@@ -35,6 +36,11 @@ case "${1:-}" in
     --rows plain,zeropp_qwz_compile,zeropp_qwz_ckpt,zeropp_s3_compile_ckpt,zeropp_qwz_compile_ckpt \
     --out "$OUT/device_more.json" 2>&1 | tee "$OUT/device_more.log" | grep -v "^wrote"
   ;;
+3)
+  timeout -k 5 "${PROFILE_S:-200}" python3 bench/bench_device.py --micro-batch "$MB" --row-timeout 60 --profile \
+    --rows fsdp2,zeropp_s3,fsdp2_compile,zeropp_s3_compile --out "$OUT/device_profile.json" 2>&1 \
+    | tee "$OUT/device_profile.log" | grep -v "^wrote"
+  ;;
 *)
-  echo "usage: bench/run_device.sh 1|2" >&2; exit 2 ;;
+  echo "usage: bench/run_device.sh 1|2|3" >&2; exit 2 ;;
 esac

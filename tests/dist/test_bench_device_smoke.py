@@ -30,8 +30,8 @@ def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 def device_rows(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("device") / "device.json"
     rows = "plain,fsdp2,zeropp_s3,zeropp_qwz_compile_ckpt,deepspeed"
-    proc = _run(["bench/bench_device.py", *TINY, "--rows", rows, "--out", str(out)])
-    return {"json": json.loads(out.read_text()), "stdout": proc.stdout}
+    proc = _run(["bench/bench_device.py", *TINY, "--rows", rows, "--profile", "--out", str(out)])
+    return {"json": json.loads(out.read_text()), "stdout": proc.stdout, "dir": out.parent}
 
 
 def test_every_row_trains_and_reports(device_rows: dict) -> None:
@@ -55,6 +55,11 @@ def test_every_row_trains_and_reports(device_rows: dict) -> None:
         "tokens_per_s" in rows["deepspeed"]
     table = device_rows["stdout"].splitlines()[-6:]  # the table is printed last
     assert table[0].split()[:3] == ["row", "tokens/s", "x"] and table[3].startswith("zeropp_s3 ")
+
+
+def test_profiles_are_written_beside_the_results(device_rows: dict) -> None:
+    table = (device_rows["dir"] / "device_zeropp_s3_profile.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table
 
 
 def test_flops_and_parameter_counts_match_the_model() -> None:

@@ -6,8 +6,9 @@
 Key names are DeepSpeed's. Three kinds of key (see docs/config.md for each one):
 
 * implemented: zeropp does what the key asks;
-* accepted, tuning only: the key tunes something zeropp does differently (bucket sizes it rounds, `wall_clock_breakdown`...) or asks for what zeropp always does (`contiguous_gradients`,
-  `reduce_scatter: true`); it loads and changes nothing;
+* accepted, tuning only: the key tunes something zeropp does differently (bucket sizes it rounds,
+  `wall_clock_breakdown`...) or asks for what zeropp always does (`contiguous_gradients`, `reduce_scatter:
+  true`); it loads and changes nothing;
 * not supported yet: a value asking for behaviour zeropp lacks; `check_supported` raises
   `NotSupportedError` naming its JSON path. The rules live in one table, `NOT_SUPPORTED`, so a row can be
   deleted when its feature lands.
