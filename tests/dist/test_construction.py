@@ -212,8 +212,18 @@ def init_parity(rank: int) -> dict:
         refused = None
     except zeropp.zero.ParameterAccessError as err:
         refused = str(err)
+    # an alias reads nothing (transformers' ZeRO-3 loading takes state_dict() for its keys); reading it is refused
+    keys = list(model.state_dict())
+    alias = model.blocks[0].a.weight.detach()
+    try:
+        alias.sum()
+        alias_refused = None
+    except zeropp.zero.ParameterAccessError as err:
+        alias_refused = str(err)
+    del alias
     engine, *_ = zeropp.initialize(model=model, config=config())
-    built = {"state": state_of(engine), "losses": train_hand(engine, rank), "shape": shape, "refused": refused}
+    built = {"state": state_of(engine), "losses": train_hand(engine, rank), "shape": shape, "refused": refused,
+             "keys": keys, "alias_refused": alias_refused}
     engine.close()
     return {"normal": normal, "init": built}
 
@@ -356,6 +366,8 @@ def test_init_runs_init_code_as_written_and_trains_as_built_without_it(world):
             assert torch.equal(normal["state"][key], value), key
         assert built["losses"] == normal["losses"]
         assert "GatheredParameters" in built["refused"] and "Linear.weight" in built["refused"]
+        assert built["keys"] == list(reference)
+        assert "a view of it" in built["alias_refused"] and "Linear.weight" in built["alias_refused"]
 
 
 def test_init_peak_memory_stays_under_two_blocks_plus_shards():

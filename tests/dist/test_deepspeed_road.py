@@ -8,8 +8,10 @@ process to the engine's own weights and logits. TRL's ``SFTTrainer`` with ``peft
 checkpointing on) and ``DPOTrainer`` with a LoRA policy, through ``deepspeed=`` only: the same losses and gradient
 norms as TRL's own trainers without DeepSpeed. accelerate's own loop with ``DeepSpeedPlugin`` (``DummyOptim``,
 ``DummyScheduler``, ``accumulate``, ``clip_grad_norm_``, ``save_state``/``load_state``): the same losses as the
-loop without DeepSpeed. TRL's installed ``trl/scripts/sft.py`` runs unchanged under ``torchrun -m zeropp.tools.run``
-with ``--deepspeed`` and a local model directory."""
+loop without DeepSpeed. A model by name at stage 3 (``from_pretrained`` after ``TrainingArguments(deepspeed=...)``)
+loads partitioned, equal to a plain load, gathering one parameter at a time, and trains as the plain Trainer.
+TRL's installed ``trl/scripts/sft.py`` runs unchanged under ``torchrun -m zeropp.tools.run`` with ``--deepspeed``
+at stage 3 and a local model directory."""
 from __future__ import annotations
 
 import functools
@@ -69,7 +71,45 @@ def run(rank: int, world: int, root: str) -> dict:
     return {"history": history(first), "resumed": history(resumed), "engine": type(engine).__name__,
             "final": final, "state": state if rank == 0 else None,
             "sft_lora": trl_sft(os.path.join(root, "sft_lora"), MICRO, dict(CONFIG)),
-            "dpo_lora": trl_dpo(os.path.join(root, "dpo_lora"), MICRO, dict(CONFIG))}
+            "dpo_lora": trl_dpo(os.path.join(root, "dpo_lora"), MICRO, dict(CONFIG)),
+            "pretrained": by_name(rank, root)}
+
+
+def by_name(rank: int, root: str) -> dict:
+    """A recipe's model by name at stage 3: ``TrainingArguments(deepspeed=...)`` first (it registers
+    transformers' ``HfDeepSpeedConfig``), then ``from_pretrained``, which builds under ``deepspeed.zero.Init`` and
+    loads rank 0's reading through ``GatheredParameters(modifier_rank=0)``; then the plain Trainer trains it."""
+    import torch.distributed as dist
+    import transformers
+
+    import deepspeed
+    from zeropp.tools.demo.data import CorpusWindows
+    from zeropp.zero.construction import PARAMS
+    path = os.path.join(root, "pretrained")
+    if rank == 0:
+        llama().save_pretrained(path)
+    dist.barrier()
+    args = arguments(os.path.join(root, "by_name"), MICRO, dict(CONFIG))
+    gather, peak = PARAMS.gather, [0]
+
+    def tracked(param: torch.nn.Parameter) -> object:  # bytes gathered at once while loading
+        out = gather(param)
+        peak[0] = max(peak[0], sum(PARAMS.get(p).nbytes for p in PARAMS.gathered()))
+        return out
+    PARAMS.gather = tracked  # type: ignore[method-assign]
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    finally:
+        del PARAMS.gather
+    params = list(model.parameters())
+    partitioned = all(p.ds_status.name == "NOT_AVAILABLE" for p in params)
+    plain = llama().state_dict()
+    with deepspeed.zero.GatheredParameters(params):
+        diff = max((p - plain[n]).abs().max().item() for n, p in model.named_parameters())
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=CorpusWindows(32, 256))
+    trainer.train()
+    return {"history": history(trainer), "partitioned": partitioned, "diff": diff, "peak_gathered": peak[0],
+            "largest_param": max(p.numel() * p.element_size() for p in plain.values())}
 
 
 def trl_sft(out: str, rows: int, deepspeed: dict) -> dict:
@@ -132,6 +172,19 @@ def test_the_plain_trainer_with_deepspeed_config_trains_through_zeropp(world: li
         got = rank["history"]
         assert len(got) == len(ref) == STEPS
         for step, (ours, theirs) in enumerate(zip(got, ref)):
+            assert ours == pytest.approx(theirs, abs=1e-5), f"step {step + 1}: (loss, grad norm, lr)"
+
+
+def test_a_model_by_name_loads_partitioned_and_trains_as_the_plain_trainer(world: list,
+                                                                          tmp_path_factory: pytest.TempPathFactory):
+    ref = reference(str(tmp_path_factory.mktemp("road_ref")))
+    for rank in world:
+        got = rank["pretrained"]
+        assert got["partitioned"] and got["diff"] == 0.0  # the weights of a plain from_pretrained, partitioned
+        # transformers gathers one module's own parameters at a time (a Llama's: one parameter)
+        assert 0 < got["peak_gathered"] <= got["largest_param"]
+        assert len(got["history"]) == STEPS
+        for step, (ours, theirs) in enumerate(zip(got["history"], ref)):
             assert ours == pytest.approx(theirs, abs=1e-5), f"step {step + 1}: (loss, grad norm, lr)"
 
 
@@ -256,8 +309,8 @@ def test_accelerates_own_loop_with_the_deepspeed_plugin_matches_the_loop_without
 # ---- an unchanged script under the launcher ------------------------------------------------------------------
 def test_trls_sft_script_runs_unchanged_under_the_launcher(tmp_path: "os.PathLike[str]"):
     """``torchrun ... -m zeropp.tools.run trl/scripts/sft.py --deepspeed ds.json`` on 2 ranks, a local model
-    directory and local rows. Stage 2: at stage 3 TRL loads the model through transformers' ZeRO-3
-    ``from_pretrained``, which zeropp does not serve yet (docs/hf.md)."""
+    directory and local rows, stage 3: TRL loads the model through transformers' ZeRO-3 ``from_pretrained``
+    and computes its loss with its fused LM-head kernel (which reads ``weight.ds_status`` in its backward)."""
     import trl
 
     from test_hf_peft import char_tokenizer, sft_llama, text_lines
@@ -270,7 +323,7 @@ def test_trls_sft_script_runs_unchanged_under_the_launcher(tmp_path: "os.PathLik
     config = os.path.join(tmp_path, "ds.json")
     with open(config, "w") as f:
         json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                   "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}, f)
+                   "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}, f)
     script = os.path.join(os.path.dirname(trl.__file__), "scripts", "sft.py")
     port = 29000 + os.getpid() % 1000
     proc = subprocess.run(

@@ -106,3 +106,55 @@ def test_the_launcher_installs_the_alias_before_the_script_imports_transformers(
     assert got == {"argv": [str(script), "--deepspeed", "ds.json"], "deepspeed": "zeropp.deepspeed",
                    "available": True, "main": "__main__"}
     assert "zeropp run: " in proc.stderr
+
+
+def test_a_saved_weight_answers_ds_status_in_a_custom_backward(alias):
+    """Note [saved weights' ds_status]: with stage 3's saved-tensor hooks a custom function's backward gets a
+    plain tensor for the weight it saved; it answers ``ds_status`` (TRL's fused LM-head loss reads it), other
+    tensors still have no such attribute, and uninstalling the alias takes the name away."""
+    import torch.distributed as dist
+
+    import deepspeed
+    from zeropp.deepspeed.alias import install_deepspeed_alias, uninstall_deepspeed_alias
+    from zeropp.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    seen = []
+
+    class Head(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, w):  # noqa: ANN001, ANN205
+            ctx.save_for_backward(h, w)
+            return h @ w.t()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            h, w = ctx.saved_tensors
+            seen.append((type(w), w.ds_status))
+            return g @ w, g.t() @ h
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 3, bias=False)
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return Head.apply(self.body(x), self.head.weight).pow(2).sum()  # the head's weight read directly
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29677", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        engine, *_ = deepspeed.initialize(model=Net(), config={"train_micro_batch_size_per_gpu": 2,
+                                                              "zero_optimization": {"stage": 3}})
+        engine.backward(engine(torch.randn(2, 4)))
+        engine.step()
+        assert seen and seen[0] == (torch.Tensor, ZeroParamStatus.AVAILABLE)
+        assert not hasattr(torch.zeros(2), "ds_status")
+        engine.destroy()
+    finally:
+        if created:
+            dist.destroy_process_group()
+    uninstall_deepspeed_alias()
+    assert "ds_status" not in vars(torch.Tensor)
+    install_deepspeed_alias()  # the fixture uninstalls it again

@@ -110,10 +110,7 @@ class DeepSpeedParameter(nn.Parameter):
     def ds_status(self) -> ZeroParamStatus:
         loc = ps.locate(self)
         if loc is not None:
-            if loc.unit.state is UnitState.GATHERED:
-                return ZeroParamStatus.AVAILABLE
-            inflight = loc.unit in loc.engine.gathers.inflight
-            return ZeroParamStatus.INFLIGHT if inflight else ZeroParamStatus.NOT_AVAILABLE
+            return _unit_status(loc.engine, loc.unit)
         rec = PARAMS.get(self)
         if rec is not None and rec.state is State.PARTITIONED:
             return ZeroParamStatus.NOT_AVAILABLE
@@ -164,6 +161,35 @@ class DeepSpeedParameter(nn.Parameter):
 _VIEWS = {name for name, value in vars(DeepSpeedParameter).items() if isinstance(value, property)}
 
 
+def _unit_status(engine: Any, unit: Any) -> ZeroParamStatus:
+    if unit.state is UnitState.GATHERED:
+        return ZeroParamStatus.AVAILABLE
+    return ZeroParamStatus.INFLIGHT if unit in engine.gathers.inflight else ZeroParamStatus.NOT_AVAILABLE
+
+
+class _SavedWeightStatus:
+    """``ds_status`` of a plain tensor over a stage-3 unit's weights (Note [saved weights' ds_status])."""
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        hit = ps.unit_sharing(obj)
+        if hit is None:
+            raise AttributeError(f"{type(obj).__name__!r} object has no attribute 'ds_status'")
+        return _unit_status(*hit)
+
+
+# Note [saved weights' ds_status]: autograd hands a custom function's backward the tensors it saved; with
+# saved-tensor hooks installed (stage 3 installs them for every pass, to gather a released unit when its saved
+# weights are unpacked) each comes back as a new plain tensor over the same storage, never the parameter
+# itself. DeepSpeed installs no such hooks, so its parameters come back as themselves, and code written for it
+# reads their ``ds_status`` there (TRL's fused LM-head loss: ``maybe_gather_lm_head_ctx(weight)`` in its
+# backward). While the alias is installed, ``torch.Tensor.ds_status`` answers for a tensor sharing a unit's
+# storage (AVAILABLE once the unpack gathered it) and raises AttributeError for every other tensor, as before,
+# so ``hasattr(t, "ds_status")`` stays false for them. No other ``ds_*`` name is given to plain tensors.
+_TENSOR_STATUS = _SavedWeightStatus()
+
+
 def give_views(param: nn.Parameter) -> None:
     """Make ``param`` a :class:`DeepSpeedParameter` (a plain ``nn.Parameter`` only: a user's subclass is left)."""
     if type(param) is nn.Parameter:
@@ -172,7 +198,10 @@ def give_views(param: nn.Parameter) -> None:
 
 def install() -> None:
     listeners.listen(give_views)
+    torch.Tensor.ds_status = _TENSOR_STATUS  # type: ignore[attr-defined]  # Note [saved weights' ds_status]
 
 
 def uninstall() -> None:
     listeners.unlisten(give_views)
+    if vars(torch.Tensor).get("ds_status") is _TENSOR_STATUS:
+        del torch.Tensor.ds_status

@@ -38,6 +38,9 @@ from zeropp.partition.access import METADATA, STORAGE_INFO, ParameterAccessError
 from zeropp.partition.spec import ShardSpec, take_chunk
 from zeropp.topology import world_only
 
+# calls that make an alias of a parameter without reading its elements
+ALIASING = frozenset({"detach"})
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,6 +83,8 @@ class PartitionedParams:
     def __init__(self, comm: Optional[Comm] = None) -> None:
         self._comm = comm
         self._records: dict[int, tuple[weakref.ref, Partitioned]] = {}
+        self._storages: dict[int, int] = {}  # a record's full buffer's storage -> the parameter's key (aliases)
+        self._storage_of: dict[int, int] = {}  # and back
         self._serial = itertools.count()
 
     @property
@@ -98,7 +103,31 @@ class PartitionedParams:
 
     def _add(self, param: nn.Parameter, rec: Partitioned) -> None:
         key = id(param)
-        self._records[key] = (weakref.ref(param, lambda _, k=key: self._records.pop(k, None)), rec)
+        self._records[key] = (weakref.ref(param, lambda _, k=key: self._forget(k)), rec)
+        with torch._C.DisableTorchFunction():
+            storage = rec.full.untyped_storage()._cdata
+        self._storages[storage] = key
+        self._storage_of[key] = storage
+
+    def _forget(self, key: int) -> None:
+        """Drop ``key``'s record (plain dict work: this runs from a weakref callback, also at exit)."""
+        self._records.pop(key, None)
+        self._storages.pop(self._storage_of.pop(key, -1), None)
+
+    def _aliased(self, t: torch.Tensor) -> Optional[Partitioned]:
+        """The partitioned record whose freed buffer ``t`` views (a ``detach()`` or ``state_dict()`` value of a
+        partitioned parameter), else None. A freed storage has no data (pointer 0): the cheap test first."""
+        if not self._storages:
+            return None
+        try:
+            with torch._C.DisableTorchFunction():
+                if t.data_ptr() != 0 or t.is_meta or t.numel() == 0:
+                    return None
+                key = self._storages.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+            return None
+        hit = self._records.get(key) if key is not None else None
+        return hit[1] if hit is not None and hit[1].state is State.PARTITIONED else None
 
     # ---- partitioning -----------------------------------------------------------------------------------------
     @_plain
@@ -190,23 +219,32 @@ class PartitionedParams:
 
     def adopt(self, param: nn.Parameter) -> None:
         """``initialize`` made ``param`` its own: forget it here."""
-        self._records.pop(id(param), None)
+        self._forget(id(param))
 
     # ---- reads outside construction (Note [reads between passes] in zero/idle_watch.py) ---------------------
     def check_idle(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Refuse a call that would read a partitioned parameter's elements (it has no storage)."""
+        """Refuse a call that would read a partitioned parameter's elements (it has no storage), on the
+        parameter or on an alias of it. Making an alias reads nothing (``model.state_dict()``, which
+        transformers' ZeRO-3 loading calls for the keys, detaches every parameter): it is allowed, and the alias
+        is refused in turn when read."""
         for a, _ in call_args(args, kwargs):
-            rec = self.get(a) if isinstance(a, torch.Tensor) else None
+            if not isinstance(a, torch.Tensor):
+                continue
+            rec = self.get(a)
+            alias = rec is None
+            if alias:
+                rec = self._aliased(a)
             if rec is None or rec.state is State.GATHERED:
                 continue
             name = call_name(func)
-            if name in METADATA or name in STORAGE_INFO:
+            if name in METADATA or name in STORAGE_INFO or (name in ALIASING and not alias):
                 continue
+            what = "a view of it (a detach() or state_dict() value)" if alias else "it"
             raise ParameterAccessError(
                 f"parameter {rec.label!r} was partitioned over the ranks at construction (zeropp.zero.Init) and "
-                f"was read by {name!r} outside a module's __init__: this rank holds only its chunk. Read or change "
-                "it inside zeropp.zero.GatheredParameters(params, modifier_rank=0) entered on every rank, or "
-                "after zeropp.initialize through the engine")
+                f"{what} was read by {name!r} outside a module's __init__: this rank holds only its chunk. Read or "
+                "change it inside zeropp.zero.GatheredParameters(params, modifier_rank=0) entered on every rank, "
+                "or after zeropp.initialize through the engine")
 
 
 def local_device() -> torch.device:

@@ -50,6 +50,16 @@ class Located:
         return self.slot.spec.owned(self.unit.rank)
 
 
+def unit_sharing(t: torch.Tensor) -> Optional[tuple["ZeroEngine", Unit]]:
+    """The stage-3 engine and unit whose weights ``t`` shares storage with (a tensor autograd saved of a
+    parameter comes back as a plain tensor over the same storage), or None."""
+    for engine in list(gathered._ENGINES):
+        unit = engine.use.unit_of(t) if engine.use is not None else None
+        if unit is not None:
+            return engine, unit
+    return None
+
+
 def locate(param: torch.Tensor) -> Optional[Located]:
     """The engine, unit and slot managing ``param``, or None when no live engine manages it."""
     for engine in list(gathered._ENGINES):

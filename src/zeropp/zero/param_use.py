@@ -168,6 +168,15 @@ class ParamUse:
         with torch._C.DisableTorchFunction():
             self._storage = {s.full.untyped_storage()._cdata: u for u in self._units for s in u.slots}
 
+    def unit_of(self, t: torch.Tensor) -> Optional[Unit]:
+        """The unit whose weights ``t`` shares storage with (a parameter, or what autograd saved of one and
+        handed back as a plain tensor), else None."""
+        try:
+            with torch._C.DisableTorchFunction():
+                return self._storage.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+            return None
+
     # ---- the model's forward and backward run inside this -----------------------------------------------
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
