@@ -72,6 +72,7 @@ def run(rank: int, world: int, root: str) -> dict:
             "final": final, "state": state if rank == 0 else None,
             "sft_lora": trl_sft(os.path.join(root, "sft_lora"), MICRO, dict(CONFIG)),
             "dpo_lora": trl_dpo(os.path.join(root, "dpo_lora"), MICRO, dict(CONFIG)),
+            "dpo_full": trl_dpo(os.path.join(root, "dpo_full"), MICRO, dict(CONFIG), peft=False),
             "pretrained": by_name(rank, root)}
 
 
@@ -126,19 +127,24 @@ def trl_sft(out: str, rows: int, deepspeed: dict) -> dict:
     return {"history": [h[:2] for h in history(trainer)], "engine": type(trainer.model_wrapped).__name__}
 
 
-def trl_dpo(out: str, rows: int, deepspeed: dict) -> dict:
-    """TRL's DPOTrainer through ``deepspeed=`` with a LoRA policy (the reference is the policy without its
-    adapter)."""
+def trl_dpo(out: str, rows: int, deepspeed: dict, peft: bool = True) -> dict:
+    """TRL's DPOTrainer through ``deepspeed=``: a LoRA policy (the reference is the policy without its adapter),
+    or (``peft=False``) the whole policy with a reference model, which TRL hands to ``deepspeed.initialize`` on
+    its own (partitioned too, at stage 3)."""
     from trl import DPOConfig, DPOTrainer
     from test_hf_peft import char_tokenizer, lora_config, preferences, sft_llama
     args = DPOConfig(output_dir=out, per_device_train_batch_size=rows, max_steps=3, learning_rate=1e-3,
                      logging_steps=1, save_strategy="no", use_cpu=True, report_to=[], disable_tqdm=True,
                      max_length=48, train_sampling_strategy="sequential", bf16=False, seed=0, deepspeed=deepspeed,
-                     gradient_checkpointing=True)
+                     gradient_checkpointing=peft)
+    kw = {"peft_config": lora_config()} if peft else {"ref_model": sft_llama()}
     trainer = DPOTrainer(model=sft_llama(), args=args, train_dataset=preferences(), processing_class=char_tokenizer(),
-                         peft_config=lora_config())
+                         **kw)
     trainer.train()
-    return {"history": [h[:2] for h in history(trainer)], "engine": type(trainer.model_wrapped).__name__}
+    out = {"history": [h[:2] for h in history(trainer)], "engine": type(trainer.model_wrapped).__name__}
+    if not peft:
+        out["ref_engine"] = type(trainer.ref_model).__name__
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,6 +237,15 @@ def test_trls_dpo_trainer_with_a_lora_policy_through_deepspeed_config_matches_tr
     for rank in world:
         assert rank["dpo_lora"]["engine"] == "DeepSpeedEngine"
         _matches(rank["dpo_lora"]["history"], want)
+
+
+def test_trls_dpo_trainer_with_a_whole_policy_and_reference_through_deepspeed_config_matches_trls_own(
+        world: list, tmp_path_factory: pytest.TempPathFactory):
+    from test_hf_peft import dpo
+    want = dpo(str(tmp_path_factory.mktemp("road_dpo_full")), MICRO * RANKS, zeropp=False)["history"]
+    for rank in world:
+        assert rank["dpo_full"]["engine"] == "DeepSpeedEngine" == rank["dpo_full"]["ref_engine"]
+        _matches(rank["dpo_full"]["history"], [h[:2] for h in want])
 
 
 # ---- accelerate's own loop -----------------------------------------------------------------------------------
