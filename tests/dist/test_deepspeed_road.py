@@ -73,7 +73,25 @@ def run(rank: int, world: int, root: str) -> dict:
             "sft_lora": trl_sft(os.path.join(root, "sft_lora"), MICRO, dict(CONFIG)),
             "dpo_lora": trl_dpo(os.path.join(root, "dpo_lora"), MICRO, dict(CONFIG)),
             "dpo_full": trl_dpo(os.path.join(root, "dpo_full"), MICRO, dict(CONFIG), peft=False),
-            "pretrained": by_name(rank, root)}
+            "pretrained": by_name(rank, root), "zeropp_trainer": zeropp_trainer_road(root)}
+
+
+def zeropp_trainer_road(root: str) -> dict:
+    """``ZeroppTrainer`` given ``TrainingArguments.deepspeed`` takes its config from there (Note [one engine, two
+    roads]); with ``zeropp_config=`` as well it refuses, naming both."""
+    from zeropp.hf import ZeroppTrainer, ZeroppTrainerError
+    from zeropp.tools.demo.data import CorpusWindows
+    args = arguments(os.path.join(root, "zeropp_trainer"), MICRO, dict(CONFIG))
+    try:
+        ZeroppTrainer(model=llama(), args=args, train_dataset=CorpusWindows(32, 256), zeropp_config=dict(CONFIG))
+        twice = None
+    except ZeroppTrainerError as err:
+        twice = str(err)
+    trainer = ZeroppTrainer(model=llama(), args=args, train_dataset=CorpusWindows(32, 256))
+    before = trainer.engine
+    trainer.train()
+    return {"history": history(trainer), "twice": twice, "before": before,
+            "engine": type(trainer.engine).__name__, "same": trainer.engine is trainer.model_wrapped}
 
 
 def by_name(rank: int, root: str) -> dict:
@@ -192,6 +210,18 @@ def test_a_model_by_name_loads_partitioned_and_trains_as_the_plain_trainer(world
         assert len(got["history"]) == STEPS
         for step, (ours, theirs) in enumerate(zip(got["history"], ref)):
             assert ours == pytest.approx(theirs, abs=1e-5), f"step {step + 1}: (loss, grad norm, lr)"
+
+
+def test_zeropp_trainer_takes_its_config_from_training_arguments_deepspeed(
+        world: list, tmp_path_factory: pytest.TempPathFactory):
+    ref = reference(str(tmp_path_factory.mktemp("road_ref")))
+    for rank in world:
+        got = rank["zeropp_trainer"]
+        assert "TrainingArguments.deepspeed" in got["twice"] and "zeropp_config" in got["twice"]
+        assert got["before"] is None and got["engine"] == "DeepSpeedEngine" and got["same"]
+        for step, (ours, theirs) in enumerate(zip(got["history"], ref)):
+            assert ours == pytest.approx(theirs, abs=1e-5), f"step {step + 1}: (loss, grad norm, lr)"
+        assert len(got["history"]) == STEPS
 
 
 def test_resuming_from_a_checkpoint_continues_with_the_same_losses(world: list):

@@ -141,7 +141,6 @@ def test_an_older_spelling_cannot_slip_a_precision_past_the_arguments(args: Trai
 
 
 @pytest.mark.parametrize("setting, name", [
-    ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "deepspeed"),
     ({"fsdp": "full_shard"}, "fsdp"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size"),
     ({"save_on_each_node": True}, "save_on_each_node"),
@@ -160,6 +159,19 @@ def test_settings_that_cannot_work_name_the_argument(tmp_path, setting: dict, na
 def test_the_config_is_required(args: TrainingArguments) -> None:
     with pytest.raises(TypeError, match="zeropp_config"):
         ZeroppTrainer(model=GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2)), args=args)
+
+
+def test_training_arguments_deepspeed_is_the_config_given_once_through_the_alias(tmp_path) -> None:
+    """Note [one engine, two roads]: TrainingArguments.deepspeed is the config (tests/dist/test_deepspeed_road.py
+    trains so); given twice, or without the alias installed, it is refused by name."""
+    road = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    object.__setattr__(road, "deepspeed", {"zero_optimization": {"stage": 3}})  # this machine has no DeepSpeed
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2))
+    assert unsupported_arguments(road) == []
+    with pytest.raises(ZeroppTrainerError, match="given twice, as TrainingArguments.deepspeed and as zeropp_config"):
+        ZeroppTrainer(model=model, args=road, zeropp_config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(ZeroppTrainerError, match="install_deepspeed_alias"):
+        ZeroppTrainer(model=model, args=road)
 
 
 def test_without_transformers_the_extra_is_named() -> None:

@@ -18,8 +18,10 @@ The seam, in the order the Trainer's loop meets it (transformers 5.x, ``Trainer.
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Callable, Mapping, Optional, Union
+import sys
+from typing import Any, Callable, Mapping, Optional, TypeVar, Union
 
 import torch
 import transformers
@@ -57,8 +59,6 @@ class ZeroppTrainerError(ValueError):
 
 # TrainingArguments settings ZeroppTrainer cannot honour when they are set, and why
 _UNSUPPORTED_ARGUMENTS = (
-    ("deepspeed", "ZeroppTrainer takes the place of DeepSpeed; pass the DeepSpeed-style config as "
-                  "ZeroppTrainer(zeropp_config=...) and leave TrainingArguments.deepspeed unset"),
     ("fsdp", "FSDP and zeropp both shard the model; use one (zeropp's ZeRO-3 is the same partitioning)"),
     ("parallelism_config", "zeropp partitions over data-parallel ranks only (no tensor, context or sequence "
                            "parallelism)"),
@@ -71,6 +71,29 @@ _UNSUPPORTED_ARGUMENTS = (
 def unsupported_arguments(args: transformers.TrainingArguments) -> list[str]:
     """One line per ``TrainingArguments`` setting that ZeroppTrainer cannot honour (empty: all fine)."""
     return [f"{name}: {why}" for name, why in _UNSUPPORTED_ARGUMENTS if getattr(args, name, None)]
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# Note [one engine, two roads]: ZeroppTrainer given ``TrainingArguments.deepspeed`` (and no ``zeropp_config``)
+# takes its config from there. transformers and accelerate then build the engine through ``deepspeed.initialize``,
+# which zeropp's DeepSpeed API answers with zeropp's engine (a ``DeepSpeedEngine``), exactly as for the plain
+# Trainer: so the seam below steps aside (each method marked ``_own_engine`` runs the Trainer's own) and
+# ``trainer.engine`` is that engine. Both roads train on the same engine; the DeepSpeed road needs the alias
+# installed before transformers is imported (otherwise an installed DeepSpeed would train): refused by name.
+def _own_engine(method: F) -> F:
+    """A step of ZeroppTrainer's own seam; on the DeepSpeed road the Trainer's method runs instead."""
+    @functools.wraps(method)
+    def run(self: "ZeroppTrainer", *args: Any, **kwargs: Any) -> Any:
+        if self._deepspeed_road:
+            return getattr(super(ZeroppTrainer, self), method.__name__)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
+
+
+def _alias_installed() -> bool:
+    return getattr(sys.modules.get("deepspeed"), "__name__", "") == "zeropp.deepspeed"
 
 
 def _read_config(source: ConfigSource) -> tuple[dict, Optional[str]]:
@@ -108,12 +131,24 @@ class ZeroppTrainer(transformers.Trainer):
             raise ImportError(f"ZeroppTrainer needs transformers >= 5 (the Trainer's loop split into "
                               f"{', '.join(missing)}); found {transformers.__version__}: "
                               "pip install -U 'zeropp[hf]'")
-        if zeropp_config is None:
-            raise TypeError("ZeroppTrainer: zeropp_config= (a DeepSpeed-style JSON path or dict) is required")
+        road = args is not None and bool(getattr(args, "deepspeed", None))
+        if road and zeropp_config is not None:
+            raise ZeroppTrainerError("ZeroppTrainer: the config is given twice, as TrainingArguments.deepspeed and "
+                                     "as zeropp_config=; give one of them")
+        if zeropp_config is None and not road:
+            raise TypeError("ZeroppTrainer: zeropp_config= (a DeepSpeed-style JSON path or dict) or "
+                            "TrainingArguments.deepspeed is required")
+        if road and not _alias_installed():
+            raise ZeroppTrainerError("ZeroppTrainer: TrainingArguments.deepspeed trains through zeropp's DeepSpeed "
+                                     "API, which is not installed as `deepspeed` in this process: call "
+                                     "zeropp.install_deepspeed_alias() before transformers is imported, or launch "
+                                     "with `zeropp run` / `torchrun -m zeropp.tools.run`; or pass the config as "
+                                     "zeropp_config=")
+        self._deepspeed_road = road  # Note [one engine, two roads]
         if args is not None:
             self._refuse(unsupported_arguments(args))
         self.zeropp_config = zeropp_config
-        self.engine: Optional[ZeroEngine] = None
+        self._engine: Optional[ZeroEngine] = None
         self._engine_module: Optional[EngineModule] = None
         self._engine_model: Optional[nn.Module] = None  # the model the engine partitions
         self._schedule_built_here = False  # from lr_scheduler_type (built again for a later train())
@@ -126,11 +161,25 @@ class ZeroppTrainer(transformers.Trainer):
         if self.args.n_gpu > 1:
             problems.append("n_gpu: several GPUs in one process (DataParallel); launch one process per device "
                             "with torchrun")
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if (self.is_deepspeed_enabled and not self._deepspeed_road) or self.is_fsdp_enabled:
             problems.append("accelerate's DeepSpeed/FSDP plugin (accelerate launch --use_deepspeed/--use_fsdp): "
                             "zeropp takes their place; launch with torchrun")
         self._refuse(problems)
 
+    @property
+    def engine(self) -> Optional[ZeroEngine]:
+        """The engine training the model once ``train()`` has started (on the DeepSpeed road, the one
+        accelerate built through ``deepspeed.initialize``), else None."""
+        if self._deepspeed_road:
+            wrapped = getattr(self, "model_wrapped", None)
+            return wrapped if isinstance(wrapped, ZeroEngine) else None
+        return self._engine
+
+    @engine.setter
+    def engine(self, value: Optional[ZeroEngine]) -> None:
+        self._engine = value
+
+    @_own_engine
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """The Trainer puts the model on ``args.device`` before training; a model partitioned at construction
         (``zero.Init``, ``from_pretrained``) is already there and has nothing whole to move, so only what is not
@@ -239,6 +288,7 @@ class ZeroppTrainer(transformers.Trainer):
             p.requires_grad_(False)
         self.ref_model, *_ = initialize(model=ref, config=cfg)
 
+    @_own_engine
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Optional[str]
                               ) -> tuple[nn.Module, Any]:
         """Build the engine (first ``train()``, or start a new run on it at a later one) and restore its
@@ -275,6 +325,7 @@ class ZeroppTrainer(transformers.Trainer):
         self.engine = self._engine_module = self._engine_model = None
         self._schedule_built_here = self._metric_schedule = False
 
+    @_own_engine
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights from its engine checkpoint (collective); the
         optimizer, schedule and counters stay those of the run's end, as when DeepSpeed loads it."""
@@ -302,6 +353,7 @@ class ZeroppTrainer(transformers.Trainer):
                                      f"{self.engine.global_steps} but the Trainer's state in {checkpoint} at "
                                      f"step {self.state.global_step}")
 
+    @_own_engine
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
         """Forward through the engine, ``engine.backward``, ``engine.step()``; returns the loss as the Trainer
@@ -335,14 +387,17 @@ class ZeroppTrainer(transformers.Trainer):
             self.lr_scheduler.record_step_lr()  # what the Trainer logs as this step's learning rate
         engine.step()
 
+    @_own_engine
     def _clip_grad_norm(self, model: nn.Module) -> Optional[float]:
         """The engine clipped at its step (``gradient_clipping`` = ``max_grad_norm``): report its norm."""
         return self._require_engine("_clip_grad_norm").get_global_grad_norm()
 
+    @_own_engine
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Optional[float]:
         """The global gradient norm before clipping, from the engine's last optimizer step."""
         return self._require_engine("_get_grad_norm").get_global_grad_norm()
 
+    @_own_engine
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         """The engine's model once it exists; before that (``evaluate()`` first) the plain model, kept away
         from accelerate's wrapping."""
@@ -354,6 +409,7 @@ class ZeroppTrainer(transformers.Trainer):
         return self.engine
 
     # ---- saving and resuming -------------------------------------------------------------------------------
+    @_own_engine
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Write ``config.json`` + ``model.safetensors`` (the fp32 master weights, tied weights once) that
         ``from_pretrained`` loads in a plain process, plus the tokenizer and the arguments.
@@ -370,12 +426,14 @@ class ZeroppTrainer(transformers.Trainer):
             save_fp32_pretrained(self.model, state, output_dir)
             save_companions(output_dir, self.args, self.processing_class)
 
+    @_own_engine
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """A Trainer checkpoint's optimizer part: the engine's sharded checkpoint (every rank writes its
         shard: masters, optimizer state, scheduler, counters) under ``output_dir/global_step{N}``."""
         client_state = {_METRIC_SCHEDULER_KEY: self.lr_scheduler.state_dict()} if self._metric_schedule else None
         save_checkpoint(self._require_engine("_save_optimizer_and_scheduler"), output_dir, client_state=client_state)
 
+    @_own_engine
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
         """Check that the checkpoint holds an engine checkpoint; ``_prepare_for_training`` loads it once the
         engine exists (the weights come from it, not from ``model.safetensors``)."""
