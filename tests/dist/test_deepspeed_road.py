@@ -10,8 +10,8 @@ norms as TRL's own trainers without DeepSpeed. accelerate's own loop with ``Deep
 ``DummyScheduler``, ``accumulate``, ``clip_grad_norm_``, ``save_state``/``load_state``): the same losses as the
 loop without DeepSpeed. A model by name at stage 3 (``from_pretrained`` after ``TrainingArguments(deepspeed=...)``)
 loads partitioned, equal to a plain load, gathering one parameter at a time, and trains as the plain Trainer.
-TRL's installed ``trl/scripts/sft.py`` runs unchanged under ``torchrun -m zeropp.tools.run`` with ``--deepspeed``
-at stage 3 and a local model directory."""
+TRL's installed ``trl/scripts/sft.py`` and ``dpo.py`` run unchanged under ``torchrun -m zeropp.tools.run`` with
+``--deepspeed`` at stage 3 and a local model directory."""
 from __future__ import annotations
 
 import functools
@@ -352,31 +352,35 @@ def test_accelerates_own_loop_with_the_deepspeed_plugin_matches_the_loop_without
 
 
 # ---- an unchanged script under the launcher ------------------------------------------------------------------
-def test_trls_sft_script_runs_unchanged_under_the_launcher(tmp_path: "os.PathLike[str]"):
-    """``torchrun ... -m zeropp.tools.run trl/scripts/sft.py --deepspeed ds.json`` on 2 ranks, a local model
-    directory and local rows, stage 3: TRL loads the model through transformers' ZeRO-3 ``from_pretrained``
-    and computes its loss with its fused LM-head kernel (which reads ``weight.ds_status`` in its backward)."""
+@pytest.mark.parametrize("script", ["sft", "dpo"])
+def test_trls_scripts_run_unchanged_under_the_launcher(tmp_path: "os.PathLike[str]", script: str):
+    """``torchrun ... -m zeropp.tools.run trl/scripts/{sft,dpo}.py --deepspeed ds.json`` on 2 ranks, a local model
+    directory and local rows, stage 3: TRL loads the model (and DPO's reference) through transformers' ZeRO-3
+    ``from_pretrained`` and computes its loss with its fused LM-head kernel (which reads ``weight.ds_status`` in
+    its backward)."""
     import trl
 
-    from test_hf_peft import char_tokenizer, sft_llama, text_lines
+    from test_hf_peft import char_tokenizer, preferences, sft_llama, text_lines
     model_dir, data_dir, out = (os.path.join(tmp_path, name) for name in ("model", "data", "out"))
     sft_llama().save_pretrained(model_dir)
     char_tokenizer().save_pretrained(model_dir)
     os.makedirs(data_dir)
+    rows = text_lines() if script == "sft" else preferences()
     with open(os.path.join(data_dir, "train.jsonl"), "w") as f:
-        f.writelines(json.dumps({"text": row["text"]}) + "\n" for row in text_lines())
+        f.writelines(json.dumps(row) + "\n" for row in rows)
     config = os.path.join(tmp_path, "ds.json")
     with open(config, "w") as f:
         json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                    "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}, f)
-    script = os.path.join(os.path.dirname(trl.__file__), "scripts", "sft.py")
-    port = 29000 + os.getpid() % 1000
+    path = os.path.join(os.path.dirname(trl.__file__), "scripts", f"{script}.py")
+    port = 29000 + os.getpid() % 1000 + (0 if script == "sft" else 1)
+    extra = ["--max_length", "48"] if script == "sft" else ["--max_length", "48", "--no_remove_unused_columns"]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         "-m", "zeropp.tools.run", script, "--model_name_or_path", model_dir, "--dataset_name", data_dir,
+         "-m", "zeropp.tools.run", path, "--model_name_or_path", model_dir, "--dataset_name", data_dir,
          "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size", "2", "--deepspeed", config,
-         "--use_cpu", "--report_to", "none", "--max_length", "48", "--logging_steps", "1", "--save_strategy", "no",
-         "--disable_tqdm", "true"],
+         "--use_cpu", "--report_to", "none", "--logging_steps", "1", "--save_strategy", "no",
+         "--disable_tqdm", "true", *extra],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
