@@ -388,3 +388,64 @@ def test_trls_scripts_run_unchanged_under_the_launcher(tmp_path: "os.PathLike[st
     losses = [float(line.split("'loss': '")[1].split("'")[0]) for line in log.splitlines() if "'loss': '" in line]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), log[-2000:]
     assert os.path.exists(os.path.join(out, "model.safetensors"))
+
+
+LAUNCHED = '''
+import json, sys
+import torch
+from accelerate import Accelerator
+acc = Accelerator()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+model, opt, loader = acc.prepare(model, opt, loader)
+losses = []
+for xb, yb in loader:
+    loss = torch.nn.functional.mse_loss(model(xb), yb)
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+print("RESULT " + json.dumps({"engine": type(model).__name__, "losses": losses,
+                              "deepspeed": getattr(sys.modules.get("deepspeed"), "__name__", None)}), flush=True)
+'''
+
+
+def _results(out: str) -> list[dict]:
+    """The ``RESULT {...}`` objects printed, also when two ranks' lines ran together."""
+    decoder, found = json.JSONDecoder(), []
+    for part in out.split("RESULT ")[1:]:
+        found.append(decoder.raw_decode(part)[0])
+    return found
+
+
+def test_accelerate_launch_with_deepspeed_runs_through_zeropp(tmp_path: "os.PathLike[str]"):
+    """``zeropp run accelerate launch --use_deepspeed ...``: accelerate's launcher (which imports DeepSpeed's runner
+    in the launching process) and both ranks it spawns run with zeropp's DeepSpeed API, and an accelerate script
+    trains on zeropp's engine at stage 3. On a machine without a GPU accelerate counts one process under its
+    DeepSpeed launcher (it finds no device backend), so each rank iterates every row: the same losses as the
+    script in one process without DeepSpeed."""
+    script, config = os.path.join(tmp_path, "train.py"), os.path.join(tmp_path, "ds.json")
+    with open(script, "w") as f:
+        f.write(LAUNCHED)
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": 3}}, f)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    port = 29000 + os.getpid() % 1000 + 2
+    launched = subprocess.run(
+        [sys.executable, "-m", "zeropp.tools.cli", "run", "accelerate", "launch", "--use_deepspeed",
+         "--deepspeed_config_file", config, "--num_processes", "2", "--main_process_port", str(port), script],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    alone = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
+    log = launched.stdout + launched.stderr
+    assert launched.returncode == 0, log[-3000:]
+    results, (want,) = _results(launched.stdout), _results(alone.stdout)
+    assert len(results) == 2  # both ranks
+    for got in results:
+        assert got["engine"] == "DeepSpeedEngine" and got["deepspeed"] == "zeropp.deepspeed"
+        assert got["losses"] == pytest.approx(want["losses"], abs=1e-6) and len(got["losses"]) == 16
+    assert want["engine"] == "Sequential" and want["deepspeed"] is None

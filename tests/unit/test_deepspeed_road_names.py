@@ -108,6 +108,34 @@ def test_the_launcher_installs_the_alias_before_the_script_imports_transformers(
     assert "zeropp run: " in proc.stderr
 
 
+@pytest.mark.parametrize("launcher", [["-m", "zeropp.tools.run"], ["-m", "zeropp.tools.cli", "run"]])
+def test_processes_started_under_the_launcher_have_the_alias_and_commands_are_found(tmp_path, launcher):
+    """A Python process the script starts (as ``accelerate launch`` starts its ranks) installs the alias at start
+    (``tools/boot/sitecustomize.py``); a command on PATH runs in place of a script; others are refused by name."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "parent.py"
+    script.write_text("import subprocess, sys\nsubprocess.run([sys.executable, '-c', \"import sys, json; "
+                      "print(json.dumps(getattr(sys.modules.get('deepspeed'), '__name__', None)))\"], check=True)\n")
+    proc = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == "zeropp.deepspeed"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "pytool").write_text(f"#!{sys.executable}\nimport sys, deepspeed\nprint(deepspeed.__name__, sys.argv[1:])\n")
+    (bindir / "shtool").write_text("#!/bin/sh\necho hi\n")
+    for tool in ("pytool", "shtool"):
+        (bindir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    ok = subprocess.run([sys.executable, *launcher, "pytool", "a"], capture_output=True, text=True, timeout=120, env=env)
+    assert ok.returncode == 0 and ok.stdout.strip() == "zeropp.deepspeed ['a']", ok.stderr[-2000:]
+    for name, why in (("shtool", "is not a Python script"), ("no-such-tool", "no script or command 'no-such-tool'")):
+        bad = subprocess.run([sys.executable, *launcher, name], capture_output=True, text=True, timeout=120, env=env)
+        assert bad.returncode != 0 and why in bad.stderr, bad.stderr[-2000:]
+
+
 def test_a_saved_weight_answers_ds_status_in_a_custom_backward(alias):
     """Note [saved weights' ds_status]: with stage 3's saved-tensor hooks a custom function's backward gets a
     plain tensor for the weight it saved; it answers ``ds_status`` (TRL's fused LM-head loss reads it), other

@@ -209,6 +209,7 @@ DEEPSPEED_NAMES_ALLOWED = {
     "zeropp.tools.cluster_bench.systems": "the benchmark runs real DeepSpeed as a peer",
     "zeropp.tools.cluster_bench.run": "the benchmark runs real DeepSpeed as a peer",
     "zeropp.hf.trainer": "the Trainer detects TrainingArguments.deepspeed",
+    "zeropp.tools.boot.sitecustomize": "the launcher's spawned processes install the alias at start",
 }
 
 
