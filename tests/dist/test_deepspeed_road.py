@@ -449,3 +449,29 @@ def test_accelerate_launch_with_deepspeed_runs_through_zeropp(tmp_path: "os.Path
         assert got["engine"] == "DeepSpeedEngine" and got["deepspeed"] == "zeropp.deepspeed"
         assert got["losses"] == pytest.approx(want["losses"], abs=1e-6) and len(got["losses"]) == 16
     assert want["engine"] == "Sequential" and want["deepspeed"] is None
+
+
+def test_trls_command_runs_under_zeropp_run(tmp_path: "os.PathLike[str]"):
+    """``zeropp run trl sft ... --deepspeed ds.json``: TRL's own command (a console script on PATH) at stage 3."""
+    from test_hf_peft import char_tokenizer, sft_llama, text_lines
+    model_dir, data_dir, out = (os.path.join(tmp_path, name) for name in ("model", "data", "out"))
+    sft_llama().save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    os.makedirs(data_dir)
+    with open(os.path.join(data_dir, "train.jsonl"), "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in text_lines())
+    config = os.path.join(tmp_path, "ds.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}, f)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeropp.tools.cli", "run", "trl", "sft", "--model_name_or_path", model_dir,
+         "--dataset_name", data_dir, "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size", "2",
+         "--deepspeed", config, "--use_cpu", "--report_to", "none", "--max_length", "48", "--logging_steps", "1",
+         "--save_strategy", "no", "--disable_tqdm", "true"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "zeropp run: trl with zeropp's DeepSpeed API as `deepspeed`" in log
+    losses = [float(line.split("'loss': '")[1].split("'")[0]) for line in log.splitlines() if "'loss': '" in line]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), log[-2000:]
