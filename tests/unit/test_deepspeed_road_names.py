@@ -186,3 +186,32 @@ def test_a_saved_weight_answers_ds_status_in_a_custom_backward(alias):
     uninstall_deepspeed_alias()
     assert "ds_status" not in vars(torch.Tensor)
     install_deepspeed_alias()  # the fixture uninstalls it again
+
+
+def test_names_deepspeeds_own_tests_reach(alias):
+    """``deepspeed.runtime.zero.unwrap_model_for_generation``, ``param.ds_summary()``; DeepSpeed's
+    ``partitioned_param_data_shape`` ([0], where zeropp keeps full shapes) and ``BF16_Optimizer`` raise by name."""
+    import torch.distributed as dist
+
+    import deepspeed
+    from deepspeed.runtime.zero import unwrap_model_for_generation
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation as in_stage3
+    assert unwrap_model_for_generation is in_stage3
+    for module, name in (("deepspeed.runtime.zero.partition_parameters", "partitioned_param_data_shape"),
+                         ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer")):
+        with pytest.raises(DeepSpeedAPIError, match=name):
+            getattr(__import__(module, fromlist=[name]), name)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29678", rank=0, world_size=1)
+    try:
+        engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 3), config={
+            "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
+        summary = engine.module.weight.ds_summary()
+        assert summary == {"id": 0, "status": "NOT_AVAILABLE", "numel": 12, "ds_numel": 12, "shape": (3, 4),
+                           "ds_shape": (3, 4), "requires_grad": True, "grad_shape": None, "persist": False,
+                           "ds_tensor.shape": (12,)}
+        engine.destroy()
+    finally:
+        if created:
+            dist.destroy_process_group()

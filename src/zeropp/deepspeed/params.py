@@ -146,6 +146,15 @@ class DeepSpeedParameter(nn.Parameter):
         loc = ps.locate(self)
         return None if loc is None else ps.hpz_group(loc)
 
+    def ds_summary(self, use_debug_name: bool = False) -> dict[str, Any]:
+        """DeepSpeed's summary of the parameter's ZeRO state, from the views above. ``active_sub_modules``
+        (DeepSpeed's count of running modules that hold it gathered) is left out: zeropp gathers units, not
+        parameters, and keeps no such count."""
+        return {"id": self.ds_id, "status": self.ds_status.name, "numel": self.numel(), "ds_numel": self.ds_numel,
+                "shape": tuple(self.shape), "ds_shape": tuple(self.ds_shape), "requires_grad": self.requires_grad,
+                "grad_shape": tuple(self.grad.shape) if self.grad is not None else None,
+                "persist": self.ds_persist, "ds_tensor.shape": tuple(self.ds_tensor.shape)}
+
     @property
     def ds_id(self) -> int:
         loc = ps.locate(self)
