@@ -260,12 +260,14 @@ def engine_module(rank: int) -> dict:
     engine.eval()
     out["eval"] = not model.training
     from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+    gathers = lambda: sum(t.calls for (phase, _), t in engine.ledger.current.items()  # noqa: E731
+                          if phase.value == "forward_gather")
     with unwrap_model_for_generation(engine) as unwrapped, torch.no_grad():
+        on_entry = gathers()
         outs = [float(unwrapped(torch.ones(1, 4))) for _ in range(3)]
         out["held"] = all(u.state.value == "gathered" for u in engine.units)
     out["generate"] = {"same": len(set(outs)) == 1, "released": all(u.state.value == "sharded" for u in engine.units),
-                       "forward_gathers": sum(t.calls for (phase, _), t in engine.ledger.current.items()
-                                              if phase.value == "forward_gather")}
+                       "on_entry": on_entry, "units": len(engine.units), "forward_gathers": gathers() - on_entry}
     engine.train()
     try:
         engine.compile(backend="no_such_backend")
@@ -603,7 +605,8 @@ def test_the_engine_is_a_module_that_passes_the_models_attributes_through():
         assert "compile backend 'no_such_backend'" in got["compile"] and "aot_eager" in got["compile"]
         assert got["compiled_before"] is False  # a failed compile leaves the model eager
         assert got["held"] and got["generate"]["same"] and got["generate"]["released"]
-        assert got["generate"]["forward_gathers"] == 0  # gathered once on entry, not per forward
+        # each unit gathered once on entry (through the forward's strategy), none per forward
+        assert got["generate"]["on_entry"] == got["generate"]["units"] and got["generate"]["forward_gathers"] == 0
 
 
 def test_an_in_place_write_in_a_read_only_gather_raises_on_every_rank():

@@ -146,6 +146,13 @@ class DeepSpeedParameter(nn.Parameter):
         loc = ps.locate(self)
         return None if loc is None else ps.hpz_group(loc)
 
+    @property
+    def ds_active_sub_modules(self) -> set[int]:
+        """DeepSpeed's set of the running modules that hold the parameter gathered: always empty here (a new set
+        each time), since zeropp gathers units, not parameters, and counts no modules per parameter; clearing it
+        (TRL's generation does) changes nothing."""
+        return set()
+
     def ds_summary(self, use_debug_name: bool = False) -> dict[str, Any]:
         """DeepSpeed's summary of the parameter's ZeRO state, from the views above. ``active_sub_modules``
         (DeepSpeed's count of running modules that hold it gathered) is left out: zeropp gathers units, not

@@ -42,7 +42,7 @@ from zeropp.topology import Topology
 from zeropp.zero import gathered
 from zeropp.zero import compiled as compiled_regions
 from zeropp.zero.consolidated import consolidated_state_dict, load_consolidated_state_dict
-from zeropp.zero.memory import ActivationMeter, GatheredWeights, weight_storages
+from zeropp.zero.memory import ActivationMeter, GatheredWeights, unit_elements, weight_storages
 from zeropp.zero.grad_intake import GradIntake
 from zeropp.zero.optimizer_step import OptimizerStep
 from zeropp.zero.order_check import CollectiveOrder
@@ -551,17 +551,27 @@ class ZeroEngine(nn.Module):
     @contextlib.contextmanager
     def held_whole(self) -> Iterator[None]:
         """Stage 3: gather every unit once and keep them all gathered for the block (generation: many forwards
-        of one token each would otherwise gather every unit per token); collective on entry. The weights are
-        read-only inside (``GatheredParameters`` semantics): train outside the block."""
+        of one token each would otherwise gather every unit per token); collective on entry. Note [generation
+        gathers]. The weights are read-only inside: train outside the block."""
         if not self.plan.shards_weights or self.gathers.held_whole:
             yield
             return
-        with gathered.GatheredParameters([s.param for u in self.units for s in u.slots]):
-            self.gathers.held_whole = True
-            try:
-                yield
-            finally:
-                self.gathers.held_whole = False
+        whole = sum(unit_elements(u) for u in self.units)
+        if whole > self.gathered_weights.max_live:
+            warnings.warn(f"held_whole: the whole model's {whole * self.gathered_weights.itemsize:,} bytes of "
+                          f"{self.policy.compute_dtype} weights exceed stage3_max_live_parameters "
+                          f"({self.gathered_weights.max_live:,} elements); each forward gathers the units it runs "
+                          "instead (slower generation)", stacklevel=3)
+            yield
+            return
+        self.join_update()
+        held = self.gathers.gather_all()
+        self.gathers.held_whole = True
+        try:
+            yield
+        finally:
+            self.gathers.held_whole = False
+            self.gathers.free_all(held)
 
     def free_gathered(self) -> None:
         """Free every gathered unit now, persistent ones included (the next use gathers them again); between

@@ -28,6 +28,15 @@ from zeropp.zero.timing import StepTimer
 # InferenceMode"). Gathers and releases therefore make their tensors with inference mode off.
 _OUTSIDE_INFERENCE_MODE = torch.inference_mode(False)
 
+# Note [generation gathers]: generation (``engine.held_whole()``: a trainer's ``generate``, TRL's online RL) gathers
+# every unit once and keeps the model whole until it ends, instead of once per generated token. The whole-model
+# gather goes through the forward's strategy, as a forward's gathers do: with qwZ each unit travels as int8 blocks
+# (half the bytes of 16-bit), with hpZ from the intra-node copy where one is current (between a forward and its
+# backward; after an optimizer step there is none, so the gather crosses nodes once). The gathered weights are
+# freed when generation ends, without cutting hpZ slices (no backward follows). Generation holds the model's
+# 16-bit weights plus the shards; where that exceeds ``stage3_max_live_parameters`` the engine warns with the
+# bytes and lets each forward gather the units it runs instead.
+
 
 class Pass(enum.Enum):
     FORWARD = "forward"
@@ -150,6 +159,30 @@ class Gathers:
             self.residency.prefetch_shard(after)  # NVMe: read the shard while these gathers run
         if ahead is not None:  # after the next first hop was issued, so the link stays busy while this waits
             ahead.advance()
+
+    @_OUTSIDE_INFERENCE_MODE
+    @unwatched
+    def gather_all(self) -> list[Unit]:
+        """Gather every released unit through the forward's strategy (qwZ's int8 blocks, hpZ's copy where
+        current), in model order; collective. Returns the units gathered here (for :meth:`free_all`)."""
+        held = []
+        for unit in self.units:
+            if unit.state is UnitState.SHARDED:
+                pending = self._start(unit, Pass.FORWARD)
+                assert pending is not None
+                self.land(unit, pending)
+                self.gathered_weights.gathered(unit)
+                held.append(unit)
+        self._strategies().forward_gather.settle()
+        return held
+
+    @_OUTSIDE_INFERENCE_MODE
+    @unwatched
+    def free_all(self, units: list[Unit]) -> None:
+        """Free what :meth:`gather_all` gathered (no hpZ slice is cut: no backward follows)."""
+        for unit in units:
+            if unit.state is UnitState.GATHERED and not self.kept.holds(unit):
+                self.free(unit)
 
     @_OUTSIDE_INFERENCE_MODE
     @unwatched

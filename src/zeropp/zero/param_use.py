@@ -89,6 +89,11 @@ def unregister_external_parameter(module: nn.Module, param: nn.Parameter) -> Non
     held[:] = [p for p in held if p is not param]
 
 
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters :func:`register_external_parameter` declared for ``module``."""
+    return list(_EXTERNAL.get(module, ()))
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

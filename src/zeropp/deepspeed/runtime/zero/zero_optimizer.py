@@ -25,12 +25,13 @@ import torch
 
 from zeropp.zero import param_state as ps
 from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
+from zeropp.deepspeed.runtime.zero.parameter_offload import ParameterOffload
 
 
 _OFFERED = ("zeropp's view offers optimizer, param_groups, state, fp16_groups, fp32_partitioned_groups_flat, "
             "bit16_groups, single_partition_of_fp32_groups, parallel_partitioned_bit16_groups, averaged_gradients, "
             "get_fp32_grad_partitions, nccl_start_alignment_factor, loss_scale, overflow, _get_norm_groups, "
-            "_global_grad_norm, state_dict, step and zero_grad")
+            "_global_grad_norm, state_dict, step, zero_grad and (stage 3) parameter_offload")
 
 
 class ZeroOptimizerView:
@@ -177,6 +178,11 @@ class DeepSpeedZeroOptimizer(ZeroOptimizerView):
 
 class DeepSpeedZeroOptimizer_Stage3(ZeroOptimizerView):  # noqa: N801 (DeepSpeed's class name)
     """What ``deepspeed.initialize`` returns as the optimizer at stage 3 (DeepSpeed's name, for isinstance)."""
+
+    @property
+    def parameter_offload(self) -> ParameterOffload:
+        """The module hooks as TRL's generation takes them off and puts them back (``parameter_offload.py``)."""
+        return ParameterOffload(self._engine)
 
 
 def zero_optimizer_view(engine: Any) -> ZeroOptimizerView:
