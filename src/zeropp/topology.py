@@ -177,6 +177,7 @@ def ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
     ``world_size`` a lone process forms a world of one. ``kwargs`` go to ``init_process_group``
     (``init_method``, ``rank``, ``world_size``, ``timeout``)."""
     if dist.is_initialized():
+        _leave_at_exit()  # a group the script or a library (accelerate) made: its workers hold zeropp's tensors too
         return
     # Dynamo keeps references to a default group that exists when it is first imported (torch 2.13; every
     # torch optimizer imports it), and that group could then never be freed: Note [leaving the process group].
@@ -193,7 +194,16 @@ def ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
         if store is not None:
             kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend, **kwargs)
-    atexit.register(_leave_process_group)
+    _leave_at_exit()
+
+
+_LEAVING: list[bool] = []  # the exit hook, once registered
+
+
+def _leave_at_exit() -> None:
+    if not _LEAVING:
+        atexit.register(_leave_process_group)
+        _LEAVING.append(True)
 
 
 def _leave_process_group() -> None:
@@ -208,7 +218,11 @@ def _leave_process_group() -> None:
     handle weakly, Dynamo is imported before the default group exists (imported after, it holds references
     to that group for good), and this hook destroys the groups while the interpreter is whole (torch
     releases the GIL while it frees a group, so a worker waiting for it can finish). Peers are not waited
-    for: the teardown is local, and a barrier here would hang behind a rank that failed.
+    for: the teardown is local, and a barrier here would hang behind a rank that failed. A group someone else
+    made (accelerate's, under the Trainer; a script's) carries zeropp's collectives just the same, and the
+    same abort was seen there (1 of 3 runs of a GRPO step on the emulated cluster): it is destroyed at exit
+    too, unless the script destroyed it first. Its workers are joined only if Dynamo was imported before the
+    group was made (transformers' Trainer imports it first; a script that makes its group earlier keeps them).
     """
     if dist.is_initialized():
         dist.destroy_process_group()
