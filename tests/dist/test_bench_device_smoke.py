@@ -98,3 +98,18 @@ def test_host_cost_bench_runs_each_system(tmp_path: Path) -> None:
     assert res["vs_ddp"]["ddp"] == 1.0 and all(v > 0 for v in res["median_ms"].values())
     losses = [res["losses"][s][0] for s in ("ddp", "zeropp", "fsdp2")]
     assert max(losses) - min(losses) < 2e-2 * max(losses)  # the same model and batch
+
+
+def test_rlhf_bench_runs_a_grpo_step_per_system(tmp_path: Path) -> None:
+    out = tmp_path / "rlhf.json"
+    _run(["bench/bench_rlhf.py", "--ledger-only", "--bandwidths", "unlimited", "--systems", "zeropp_zero3,zeropp_plus",
+          "--layers", "1", "--hidden", "64", "--steps", "1", "--warmup", "1", "--out", str(out)], timeout=400)
+    res = json.loads(out.read_text())
+    assert res["meta"]["mode"].startswith("ledger-only")
+    rows = {r["system"]: r for r in res["rows"]}
+    for name in ("zeropp_zero3", "zeropp_plus"):
+        r = rows[name]
+        assert "error" not in r, r
+        assert 0 < r["generation_s"] < r["step_s"] and 0 < r["generation_share"] < 1
+        assert r["generation_wire_bytes"] == 0  # no namespaces: no wire counters
+        assert len(r["rewards"]) == 2
