@@ -26,6 +26,7 @@ import torch
 from support.world import run_world
 
 STEPS, MICRO, RANKS = 6, 2, 4
+IDS = torch.tensor([[5, 9, 14, 3, 27, 40, 2, 11]])  # logits compared after a save
 CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "train_batch_size": "auto", "gradient_clipping": "auto",
           "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
@@ -142,7 +143,14 @@ def trl_sft(out: str, rows: int, deepspeed: dict) -> dict:
     trainer = SFTTrainer(model=sft_llama(), args=args, train_dataset=text_lines(), processing_class=char_tokenizer(),
                          peft_config=lora_config())
     trainer.train()
-    return {"history": [h[:2] for h in history(trainer)], "engine": type(trainer.model_wrapped).__name__}
+    adapter = os.path.join(out, "adapter")
+    trainer.save_model(adapter)  # collective: the adapter's weights gathered from every rank
+    engine = trainer.model_wrapped
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=IDS).logits
+    return {"history": [h[:2] for h in history(trainer)], "engine": type(engine).__name__, "adapter": adapter,
+            "logits": logits}
 
 
 def trl_dpo(out: str, rows: int, deepspeed: dict, peft: bool = True) -> dict:
@@ -258,6 +266,13 @@ def test_trls_sft_trainer_with_lora_through_deepspeed_config_matches_trls_own(
     for rank in world:
         assert rank["sft_lora"]["engine"] == "DeepSpeedEngine"
         _matches(rank["sft_lora"]["history"], want)
+    # the adapter the Trainer saved loads in this plain process onto the same base to the engine's logits
+    from peft import PeftModel
+
+    from test_hf_peft import sft_llama
+    plain = PeftModel.from_pretrained(sft_llama(), world[0]["sft_lora"]["adapter"]).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=IDS).logits, world[0]["sft_lora"]["logits"], rtol=1e-5, atol=1e-5)
 
 
 def test_trls_dpo_trainer_with_a_lora_policy_through_deepspeed_config_matches_trls_own(
@@ -422,7 +437,20 @@ def _results(out: str) -> list[dict]:
     return found
 
 
-def test_accelerate_launch_with_deepspeed_runs_through_zeropp(tmp_path: "os.PathLike[str]"):
+ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {ds}
+  zero3_init_flag: false
+machine_rank: 0
+num_machines: 1
+num_processes: 2
+main_process_port: {port}
+"""
+
+
+@pytest.mark.parametrize("how", ["flags", "config_file"])
+def test_accelerate_launch_with_deepspeed_runs_through_zeropp(tmp_path: "os.PathLike[str]", how: str):
     """``zeropp run accelerate launch --use_deepspeed ...``: accelerate's launcher (which imports DeepSpeed's runner
     in the launching process) and both ranks it spawns run with zeropp's DeepSpeed API, and an accelerate script
     trains on zeropp's engine at stage 3. On a machine without a GPU accelerate counts one process under its
@@ -435,11 +463,17 @@ def test_accelerate_launch_with_deepspeed_runs_through_zeropp(tmp_path: "os.Path
         json.dump({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                    "zero_optimization": {"stage": 3}}, f)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    port = 29000 + os.getpid() % 1000 + 2
-    launched = subprocess.run(
-        [sys.executable, "-m", "zeropp.tools.cli", "run", "accelerate", "launch", "--use_deepspeed",
-         "--deepspeed_config_file", config, "--num_processes", "2", "--main_process_port", str(port), script],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    port = 29000 + os.getpid() % 1000 + (2 if how == "flags" else 3)
+    if how == "flags":
+        launch = ["--use_deepspeed", "--deepspeed_config_file", config, "--num_processes", "2", "--main_process_port",
+                  str(port)]
+    else:  # an accelerate config file that names the DeepSpeed config, as `accelerate config` writes one
+        accelerate_config = os.path.join(tmp_path, "accelerate.yaml")
+        with open(accelerate_config, "w") as f:
+            f.write(ACCELERATE_CONFIG.format(ds=config, port=port))
+        launch = ["--config_file", accelerate_config]
+    launched = subprocess.run([sys.executable, "-m", "zeropp.tools.cli", "run", "accelerate", "launch", *launch, script],
+                              capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     alone = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
     log = launched.stdout + launched.stderr
     assert launched.returncode == 0, log[-3000:]

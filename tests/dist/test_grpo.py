@@ -104,6 +104,8 @@ def generation_bytes() -> dict:
                 entered = total() - before
                 tokens[name] = engine.module.generate(ids, max_new_tokens=6, do_sample=False).tolist()
         out[name] = {"entry": entered, "all": total() - before, "inter": inter() - inter_before,
+                     "gathered_peak": engine.memory_report()["gathered_weights_peak"],
+                     "whole": sum(s.spec.padded for u in engine.units for s in u.slots) * 2,  # bf16 bytes
                      "released": all(u.state.name == "SHARDED" for u in engine.units),
                      "warned": [str(w.message) for w in caught if "stage3_max_live_parameters" in str(w.message)]}
         engine.destroy()
@@ -168,3 +170,6 @@ def test_a_generations_gather_moves_int8_with_qwz_and_is_released(world: list) -
         assert not plain["warned"] and len(bounded["warned"]) == 1 and "bytes of" in bounded["warned"][0]
         assert bounded["entry"] == 0 and bounded["all"] > plain["all"]  # per-unit gathers, for every token
         assert got["same_tokens"]
+        # memory_report: generation held the model's 16-bit weights whole (bounded: never all at once)
+        assert plain["gathered_peak"] == plain["whole"] and qwz["gathered_peak"] == qwz["whole"]
+        assert 0 < bounded["gathered_peak"] < bounded["whole"]
