@@ -17,6 +17,10 @@ Reported per rank: the peak rise of RSS over the bare process in each step (kern
 step), the formula, and their ratio.
 
     .venv/bin/python bench/bench_pretrained_load.py [--layers 18] [--dir DIR] [--out bench/results/pretrained_load.json]
+
+``--transformers`` loads through transformers' own ZeRO-3 ``from_pretrained`` (an ``HfDeepSpeedConfig`` alive, the
+DeepSpeed alias installed) instead; the bound per rank is its chunks + the largest parameter (gathered while rank
+0 writes it) + on rank 0 the checkpoint (transformers 5 keeps every file it read mapped until the load ends).
 """
 from __future__ import annotations
 
@@ -103,8 +107,42 @@ def worker(rank: int, world: int, path: str) -> dict:
             "whole_model_bf16": sum(p.numel() for p in model.parameters()) * 2}
 
 
+def transformers_worker(rank: int, world: int, path: str) -> dict:
+    """transformers' own ZeRO-3 loading through the DeepSpeed alias: ``from_pretrained`` under an
+    ``HfDeepSpeedConfig`` builds under ``deepspeed.zero.Init``; rank 0 reads the checkpoint and writes each module's
+    parameters through ``GatheredParameters(modifier_rank=0)``."""
+    import zeropp
+    zeropp.install_deepspeed_alias()  # before transformers is imported (a fresh interpreter: see main)
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from support.rss import current_rss, peak_rss, reset_peak_rss
+    from zeropp.zero.construction import PARAMS
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    gc.collect()
+    bare = current_rss()
+    keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},  # noqa: F841
+                              "zero_optimization": {"stage": 3}})
+    reset = reset_peak_rss()
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    load_s = time.perf_counter() - start
+    load_peak = peak_rss(reset) - bare
+    records = [PARAMS.get(p) for p in model.parameters()]
+    chunks = sum(r.shard.numel() * r.shard.element_size() for r in records)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    read = sum(os.path.getsize(f) for f in files) if rank == 0 else 0  # rank 0 reads the whole checkpoint
+    return {"rank": rank, "load_s": load_s, "load_peak": load_peak, "load_formula": chunks + largest + read,
+            "chunks": chunks, "largest_param": largest, "checkpoint_read": read,
+            "partitioned": all(r is not None for r in records)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--transformers", action="store_true",
+                    help="load through transformers' ZeRO-3 from_pretrained (the DeepSpeed alias) instead")
     ap.add_argument("--layers", type=int, default=18)
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary folder)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "pretrained_load.json"))
@@ -116,10 +154,21 @@ def main() -> None:
         start = time.perf_counter()
         params = write_checkpoint(path, args.layers)
         print(f"checkpoint: {params / 1e9:.2f}B parameters in {time.perf_counter() - start:.0f} s at {path}")
-        ranks = run_world(worker, 4, path, ranks_per_node=2, env=MALLOC_ENV, timeout=1800)
+        # env given: spawned ranks, fresh interpreters (the alias must come before transformers is imported)
+        ranks = run_world(transformers_worker if args.transformers else worker, 4, path, ranks_per_node=2,
+                          env=MALLOC_ENV, timeout=1800)
     finally:
         if args.dir is None:
             shutil.rmtree(path, ignore_errors=True)
+    if args.transformers:
+        for r in ranks:
+            print(f"rank {r['rank']}: transformers' ZeRO-3 from_pretrained {r['load_s']:.1f} s, peak "
+                  f"{r['load_peak'] / MiB:.0f} MiB (bound: chunks {r['chunks'] / MiB:.0f} + largest parameter "
+                  f"{r['largest_param'] / MiB:.0f} + checkpoint read {r['checkpoint_read'] / MiB:.0f} = "
+                  f"{r['load_formula'] / MiB:.0f} MiB, {r['load_peak'] / r['load_formula']:.2f}x)")
+        write_results(args.out, {"parameters": params, "layers": args.layers, "checkpoint_dtype": "bfloat16",
+                                 "world": 4, "path": "transformers ZeRO-3 from_pretrained", "ranks": ranks})
+        return
     for r in ranks:
         print(f"rank {r['rank']}: from_pretrained {r['load_s']:.1f} s, peak {r['load_peak'] / MiB:.0f} MiB "
               f"(formula {r['load_formula'] / MiB:.0f}, {r['load_peak'] / r['load_formula']:.2f}x); initialize "
