@@ -74,7 +74,37 @@ def run(rank: int, world: int, root: str) -> dict:
             "sft_lora": trl_sft(os.path.join(root, "sft_lora"), MICRO, dict(CONFIG)),
             "dpo_lora": trl_dpo(os.path.join(root, "dpo_lora"), MICRO, dict(CONFIG)),
             "dpo_full": trl_dpo(os.path.join(root, "dpo_full"), MICRO, dict(CONFIG), peft=False),
-            "pretrained": by_name(rank, root), "zeropp_trainer": zeropp_trainer_road(root)}
+            "pretrained": by_name(rank, root), "zeropp_trainer": zeropp_trainer_road(root),
+            "peft_resume": peft_resume(root)}
+
+
+def peft_resume(root: str) -> dict:
+    """A PEFT model through the plain Trainer: its checkpoints leave the frozen base out
+    (``save_checkpoint(exclude_frozen_parameters=True)``, as the Trainer asks on a PEFT model) and resume
+    (``load_module_strict=False``) with the same losses."""
+    import json as json_
+
+    import transformers
+
+    from test_hf_peft import lora_llama
+    from zeropp.tools.demo.data import CorpusWindows
+    out = os.path.join(root, "peft")
+    first = transformers.Trainer(model=lora_llama(), args=arguments(out, MICRO, dict(CONFIG)),
+                                 train_dataset=CorpusWindows(32, 256))
+    first.train()
+    tag = os.path.join(out, "checkpoint-4", "global_step4")
+    with open(os.path.join(tag, "manifest.json")) as f:
+        manifest = json_.load(f)
+    resumed = transformers.Trainer(model=lora_llama(), args=arguments(out, MICRO, dict(CONFIG)),
+                                   train_dataset=CorpusWindows(32, 256))
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))
+    try:  # strict (DeepSpeed's default): the frozen parameters are missing
+        resumed.model_wrapped.load_checkpoint(os.path.join(out, "checkpoint-4"))
+        strict = None
+    except Exception as err:  # noqa: BLE001 - the message is checked
+        strict = str(err)
+    return {"history": history(first), "resumed": history(resumed), "excluded": manifest.get("excluded_frozen", []),
+            "saved": [p["name"] for p in manifest["params"]], "strict": strict}
 
 
 def zeropp_trainer_road(root: str) -> dict:
@@ -205,6 +235,17 @@ def test_the_plain_trainer_with_deepspeed_config_trains_through_zeropp(world: li
         assert len(got) == len(ref) == STEPS
         for step, (ours, theirs) in enumerate(zip(got, ref)):
             assert ours == pytest.approx(theirs, abs=1e-5), f"step {step + 1}: (loss, grad norm, lr)"
+
+
+def test_a_peft_runs_checkpoints_leave_the_frozen_base_out_and_resume(world: list):
+    for rank in world:
+        got = rank["peft_resume"]
+        assert got["excluded"] and not any("lora" in n for n in got["excluded"])  # the base weights
+        assert got["saved"] and all("lora" in n for n in got["saved"])  # the adapter's
+        assert "saved without the frozen parameters" in got["strict"] and "load_module_strict=False" in got["strict"]
+        assert len(got["resumed"]) == STEPS
+        for ours, first in zip(got["resumed"][4:], got["history"][4:]):
+            assert ours == pytest.approx(first, abs=1e-6)
 
 
 def test_a_model_by_name_loads_partitioned_and_trains_as_the_plain_trainer(world: list,

@@ -73,6 +73,7 @@ def _sharded(engine: ZeroEngine) -> bool:
 
 # ---- save ------------------------------------------------------------------------------------------------
 def _shard_payload(engine: ZeroEngine, params: list[Param], client_state: Any, nonce: str) -> dict:
+    saved = {p.name for p in params}
     mid_accumulation = engine.micro_steps % engine.policy.gradient_accumulation_steps != 0
     sched = engine.lr_scheduler
     return {
@@ -89,7 +90,8 @@ def _shard_payload(engine: ZeroEngine, params: list[Param], client_state: Any, n
         "reduce_state": {"shape": [engine.topo.num_nodes, engine.topo.ranks_per_node],
                          "state": engine.strategies.reduce.state_dict()},
         # frozen units kept as int8: their exact rows (the fp32 "params" above are their dequantized values)
-        "frozen_rows": {str(u.index): u.quantized_state() for u in engine.units if u.quantized_state() is not None},
+        "frozen_rows": {str(u.index): u.quantized_state() for u in engine.units
+                        if u.quantized_state() is not None and any(s.name in saved for s in u.slots)},
         "rng": rng_state(),
         "buffers": {k: t.detach() for k, t in engine_buffers(engine).items()},
         "client_state": client_state,
@@ -110,6 +112,7 @@ def _config_json(engine: ZeroEngine) -> Any:
 
 def _manifest(engine: ZeroEngine, tag: str, params: list[Param], shards: list[Written], nonce: str) -> dict:
     topo, policy, sched = engine.topo, engine.policy, engine.lr_scheduler
+    excluded = {s.name for u in engine.units for s in u.slots} - {p.name for p in params}
     keys = []
     names_by_alias = {a: p.name for p in params for a in p.aliases}
     for key in engine.module.state_dict(keep_vars=True):
@@ -142,28 +145,35 @@ def _manifest(engine: ZeroEngine, tag: str, params: list[Param], shards: list[Wr
         "state_dict_keys": keys,
         "shards": [{"rank": r, "file": shard_name(r), "bytes": w.size, "sha256": w.sha256}
                    for r, w in enumerate(shards)],
+        **({"excluded_frozen": sorted(excluded)} if excluded else {}),
     }
 
 
 def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None,
-                    client_state: Any = None, save_latest: bool = True) -> str:
+                    client_state: Any = None, save_latest: bool = True, exclude_frozen: bool = False) -> str:
     """Write this rank's shard (and, on rank 0, the manifest and ``latest``); returns the tag directory.
 
     See Note [checkpoint atomicity] in ``format.py`` for why a crash never damages an earlier tag, and why a
     failed write (a full disk) fails the save on every rank and leaves the earlier tags and ``latest`` as
-    they were. Every rank calls it.
+    they were. Every rank calls it. ``exclude_frozen`` leaves out the parameters that do not require grad (a
+    LoRA run's base weights, loaded again from the pretrained model): the manifest names them, and a load
+    keeps the values the model holds for them.
     """
     engine.join_update()
     with engine.residency.resident(engine.units, dirty=False):  # NVMe: the rank's whole state, read back
-        return _save(engine, save_dir, tag, client_state, save_latest)
+        return _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen)
 
 
-def _save(engine: ZeroEngine, save_dir: str, tag: Optional[str], client_state: Any, save_latest: bool) -> str:
+def _save(engine: ZeroEngine, save_dir: str, tag: Optional[str], client_state: Any, save_latest: bool,
+          exclude_frozen: bool) -> str:
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     rank, save_dir = engine.topo.rank, os.path.abspath(save_dir)
     nonce = shared_nonce(engine)
     tmp_dir, final = os.path.join(save_dir, f".{tag}.tmp-{nonce}"), os.path.join(save_dir, tag)
     params = engine_params(engine, writing=False)
+    if exclude_frozen:
+        frozen = {s.name for u in engine.units for s in u.slots if not s.param.requires_grad}
+        params = [p for p in params if p.name not in frozen]
     error: Optional[BaseException] = None
     written: Optional[Written] = None
     path = os.path.join(tmp_dir, shard_name(rank))
@@ -268,7 +278,7 @@ def _read_resharded(manifest: Manifest, params: list[Param], rank: int, with_opt
 
 def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[Optional[str], Any]:
+                    load_module_only: bool = False, strict: bool = True) -> tuple[Optional[str], Any]:
     """Restore the engine from ``load_dir/tag``; ``(path, client_state)``, or ``(None, None)`` (see below).
 
     ``tag=None`` reads the tag ``latest`` names, falling back with a warning to the newest older complete
@@ -277,24 +287,27 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
     idiom). An explicit tag never falls back. Everything is read and verified before the engine is
     touched: on any error, on any rank, every rank raises and the engine is unchanged. Client state: each
     rank gets its own on the same world size, rank 0's otherwise. ``load_module_only`` restores the
-    weights (and buffers) alone; the optimizer, scheduler, counters and RNG stay as they are.
+    weights (and buffers) alone; the optimizer, scheduler, counters and RNG stay as they are. A checkpoint
+    saved with ``exclude_frozen`` loads only with ``strict=False``, keeping the model's own frozen values.
     """
-    what = What(load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    what = What(load_optimizer_states, load_lr_scheduler_states, load_module_only, strict)
     engine.join_update()
     with engine.residency.resident(engine.units):  # NVMe: in memory while loading, written back after
         return _load(engine, load_dir, tag, what)
 
 
 def _load(engine: ZeroEngine, load_dir: str, tag: Optional[str], what: What) -> tuple[Optional[str], Any]:
-    params = engine_params(engine)
+    every = engine_params(engine)
     rank = engine.topo.rank
     with_optimizer = what.optimizer and not what.module_only
+    loading: list[list[Param]] = [every]  # those the checkpoint holds (a save may leave frozen ones out)
 
     def read(tag_dir: str) -> Loaded:
         """Everything ``apply_loaded`` will write, read and checked; runs inside the agreement (``agreed_load``)."""
         manifest = read_manifest(tag_dir)
         if rank == 0:  # the listing and every file's size, once; each rank checks what it opens itself
             check_files(manifest)
+        params = loading[0] = _held_by(manifest, engine, every, what.strict)
         check_model(manifest, params, type(engine.master_optimizer).__name__ if with_optimizer else None)
         if manifest.world_size == engine.topo.world_size and manifest.sharded == _sharded(engine):
             loaded, source = _read_same_world(manifest, rank, params), manifest.shard_path(rank)
@@ -314,8 +327,24 @@ def _load(engine: ZeroEngine, load_dir: str, tag: Optional[str], what: What) -> 
     if got is None:
         return None, None
     path, loaded = got
-    apply_loaded(engine, params, loaded, what)
+    apply_loaded(engine, loading[0], loaded, what)
     return path, loaded.client_state
+
+
+def _held_by(manifest: Manifest, engine: ZeroEngine, params: list[Param], strict: bool) -> list[Param]:
+    """``params`` less those the save left out as frozen, which must be frozen here too (their values stay)."""
+    excluded = manifest.excluded_frozen
+    if not excluded:
+        return params
+    if strict:
+        raise CheckpointError(f"checkpoint {manifest.path} was saved without the frozen parameters "
+                              f"{sorted(excluded)[:3]}{' ...' if len(excluded) > 3 else ''}: load it non-strict "
+                              "(load_module_strict=False), which keeps the model's own values for them")
+    trains = {s.name for u in engine.units for s in u.slots if s.param.requires_grad} & excluded
+    if trains:
+        raise CheckpointError(f"checkpoint {manifest.path} was saved without the frozen parameters "
+                              f"{sorted(trains)[:3]}, which this model trains: load a checkpoint that holds them")
+    return [p for p in params if p.name not in excluded]
 
 
 # ---- 16-bit weights --------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ class What:
     optimizer: bool = True
     scheduler: bool = True
     module_only: bool = False
+    strict: bool = True  # False: a checkpoint saved without its frozen parameters loads, keeping the model's
 
 def rng_as_data(rng: dict) -> dict:
     """Random states as tensors and plain numbers (Note [data, not code] in ``safe_io.py``): Python's and NumPy's

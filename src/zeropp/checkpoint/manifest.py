@@ -101,6 +101,11 @@ class Manifest:
     def state_dict_keys(self) -> list[dict]:
         return self.raw["state_dict_keys"]
 
+    @property
+    def excluded_frozen(self) -> frozenset[str]:
+        """Frozen parameters the save left out (``exclude_frozen_parameters``): a load keeps the model's own."""
+        return frozenset(self.raw.get("excluded_frozen", ()))
+
     @cached_property
     def shards(self) -> tuple[ShardRecord, ...]:
         return tuple(ShardRecord(s["rank"], s["file"], s["bytes"], s.get("sha256")) for s in self.raw["shards"])
@@ -235,6 +240,9 @@ def validate_manifest(raw: Any, path: str) -> None:
                 s.fail(key, "belongs to format version 2, but format_version is 1")
     sizes = _validate_shards(s, raw, world, version)
     names = _validate_params(s, raw, world, min(sizes))
+    for i, name in enumerate(raw.get("excluded_frozen", [])):
+        if not isinstance(name, str) or name in names:
+            s.fail(f"excluded_frozen[{i}]", f"must name a parameter the checkpoint does not hold, got {_short(name)}")
     for i, entry in enumerate(s.list(raw, "state_dict_keys")):
         where = f"state_dict_keys[{i}]."
         if not isinstance(entry, dict):

@@ -215,12 +215,14 @@ class ZeroppEngine(ZeroEngine):
 
     # ---- checkpoints (every rank calls them) -------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Any = None,
-                        save_latest: bool = True) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Write a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step{N}``); every rank calls.
 
         Returns the tag directory; ``save_dir/latest`` names it once every rank's shard is on disk.
+        ``exclude_frozen_parameters`` leaves out the parameters that do not require grad (the Trainer asks for
+        it on a PEFT model); such a checkpoint loads with ``load_module_strict=False``.
         """
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -231,17 +233,18 @@ class ZeroppEngine(ZeroEngine):
         ``(None, None)`` with a warning when ``tag`` is None and ``load_dir`` is missing or holds no complete
         tag, so a restarted job can always call it; ``latest`` falls back past a damaged tag. A DeepSpeed ZeRO
         checkpoint (``latest`` and ``global_stepN/*_optim_states.pt``) is imported (``checkpoint_io.py``).
-        Every parameter is always loaded (``load_module_strict=False`` and ``custom_load_fn`` are not
-        supported yet).
+        ``load_module_strict=False`` also loads a checkpoint saved with ``exclude_frozen_parameters`` (the model
+        keeps its own frozen values); it relaxes nothing else: every other parameter must be there and fit.
+        ``custom_load_fn`` is not supported yet.
         """
-        if not load_module_strict or custom_load_fn is not None:
-            raise DeepSpeedAPIError("load_checkpoint: load_module_strict=False and custom_load_fn are not "
-                                    "implemented by zeropp yet (a checkpoint always restores every parameter)")
+        if custom_load_fn is not None:
+            raise DeepSpeedAPIError("load_checkpoint: custom_load_fn is not implemented by zeropp yet (a checkpoint "
+                                    "restores every parameter it holds)")
         ds_tag = deepspeed_tag_dir(load_dir, tag)
         if ds_tag is not None:
             return load_deepspeed(self, ds_tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                          load_module_only)
+                                          load_module_only, strict=load_module_strict)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
         """Write the full weights in the compute dtype from rank 0 (every rank calls); returns the file path."""
