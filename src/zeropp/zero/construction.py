@@ -41,6 +41,21 @@ from zeropp.topology import world_only
 # calls that make an alias of a parameter without reading its elements
 ALIASING = frozenset({"detach"})
 
+# Note [host gathers in pieces]: gloo's all-gather into one host tensor stages its whole output once more before
+# copying it out (a 64 MiB gather on 4 ranks raised a rank's RSS by 130 MiB, output included). Gathering a large
+# parameter at construction (GatheredParameters; transformers' ZeRO-3 loading gathers each module's parameters
+# on every rank while rank 0 writes them) would then hold it twice: host parameters over 16 MiB are gathered in
+# pieces of at most 1/8 of them, each landing in its columns of the full buffer. CUDA tensors (NCCL gathers in
+# place) and small ones take one collective.
+HOST_PIECE_FROM = 16 << 20  # bytes of a host parameter from which it is gathered in pieces
+HOST_PIECES = 8
+
+
+def _host_pieces(full: torch.Tensor, world: int) -> int:
+    if full.device.type != "cpu" or world == 1 or full.numel() * full.element_size() < HOST_PIECE_FROM:
+        return 1
+    return HOST_PIECES
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -176,8 +191,20 @@ class PartitionedParams:
         assert rec is not None
         if rec.state is State.PARTITIONED:
             rec.full.untyped_storage().resize_(rec.nbytes)
-            comm = self.comm
-            comm.all_gather(rec.full, rec.shard.to(rec.full.device), comm.topo.world, Phase.OTHER)
+            comm, shard = self.comm, rec.shard.to(rec.full.device)
+            pieces = _host_pieces(rec.full, comm.topo.world_size)
+            if pieces == 1:
+                comm.all_gather(rec.full, shard, comm.topo.world, Phase.OTHER)
+            else:  # Note [host gathers in pieces]
+                world, chunk = comm.topo.world_size, rec.spec.chunk
+                step = -(-chunk // pieces)
+                rows = rec.full.view(world, chunk)
+                for start in range(0, chunk, step):
+                    part = shard[start : start + step]
+                    got = torch.empty(world * part.numel(), dtype=shard.dtype, device=shard.device)
+                    comm.all_gather(got, part.contiguous(), comm.topo.world, Phase.OTHER)
+                    rows[:, start : start + part.numel()].copy_(got.view(world, -1))
+                    del got
             rec.state = State.GATHERED
         return rec
 
