@@ -217,9 +217,12 @@ class PartitionedParams:
             return
         if src is not None:
             comm = self.comm
-            out = torch.empty_like(rec.shard, device=rec.full.device)
+            # straight into the chunk where it lives beside the full buffer (no second chunk while it is whole)
+            direct = rec.shard.device == rec.full.device and rec.shard.is_contiguous()
+            out = rec.shard if direct else torch.empty_like(rec.shard, device=rec.full.device)
             comm.scatter(out, rec.full if comm.topo.rank == src else None, src, comm.topo.world)
-            rec.shard.copy_(out)
+            if not direct:
+                rec.shard.copy_(out)
         rec.full.untyped_storage().resize_(0)
         rec.state = State.PARTITIONED
 
