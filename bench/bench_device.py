@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 ROWS = ("plain", "fsdp2", "zeropp_s3", "zeropp_qwz", "deepspeed", "plain_ckpt", "zeropp_s3_ckpt",
         "zeropp_qwz_ckpt", "fsdp2_compile", "zeropp_s3_compile", "zeropp_qwz_compile",
@@ -107,21 +107,37 @@ def _adamw(params: Any, device: str) -> Any:
     return torch.optim.AdamW(params, lr=LR, fused=device == "cuda")
 
 
-def _plain(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:
+def _torch_step(model: Any, opt: Any, autocast: Optional[str] = None) -> Callable[[Any], Any]:
+    """One training step of a model torch trains itself (plain, FSDP2); ``autocast``: a device to autocast on."""
+    import contextlib
+
     import torch
-    model = build_model(args.model, args.seq, args.device)
-    _checkpointing(model, row)
-    model.train()
-    opt = _adamw(model.parameters(), args.device)
 
     def step(x: Any) -> Any:
-        with torch.autocast(args.device, dtype=torch.bfloat16):
+        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step
+
+
+def _engine_step(engine: Any) -> Callable[[Any], Any]:
+    """One training step through an engine (DeepSpeed's or zeropp's)."""
+    def step(x: Any) -> Any:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+    return step
+
+
+def _plain(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:
+    model = build_model(args.model, args.seq, args.device)
+    _checkpointing(model, row)
+    model.train()
+    return _torch_step(model, _adamw(model.parameters(), args.device), autocast=args.device)
 
 
 def _fsdp2(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:
@@ -137,15 +153,7 @@ def _fsdp2(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:
     if "_compile" in row:
         for layer in model.model.layers:
             layer.compile()
-    opt = _adamw(model.parameters(), args.device)
-
-    def step(x: Any) -> Any:
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return step
+    return _torch_step(model, _adamw(model.parameters(), args.device))
 
 
 def _deepspeed(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:
@@ -163,13 +171,7 @@ def _deepspeed(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:
     else:
         engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters(), args.device),
                                           config=config)
-
-    def step(x: Any) -> Any:
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-    return step
+    return _engine_step(engine)
 
 
 def _zeropp(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:
@@ -186,13 +188,7 @@ def _zeropp(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:
     del model
     if "_compile" in row:
         engine.compile()
-
-    def step(x: Any) -> Any:
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-    return step
+    return _engine_step(engine)
 
 
 def make_step(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:

@@ -52,13 +52,15 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
                         "block_size": args.seq})
 
 
-def _ddp(args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    from torch.nn.parallel import DistributedDataParallel
-    model = DistributedDataParallel(_model(args))
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _torch_step(model: torch.nn.Module, autocast: bool = False) -> Step:
+    """One training step of a model torch trains itself (DDP, FSDP2), AdamW; ``autocast``: bf16 on the CPU."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             loss = model(x, y)
         loss.backward()
         opt.step()
@@ -67,13 +69,8 @@ def _ddp(args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], tor
     return step
 
 
-def _zeropp(args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    import zeropp
-    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": {"stage": 3, **json.loads(os.environ.get("ZEROPP_BENCH_ZERO", "{}"))}}
-    engine, *_ = zeropp.initialize(model=_model(args), config=cfg)
-
+def _engine_step(engine: Any) -> Step:
+    """One training step through an engine (zeropp's or DeepSpeed's)."""
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = engine(x, y)
         engine.backward(loss)
@@ -82,25 +79,31 @@ def _zeropp(args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], 
     return step
 
 
-def _fsdp2(args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _ddp(args: argparse.Namespace) -> Step:
+    from torch.nn.parallel import DistributedDataParallel
+    return _torch_step(DistributedDataParallel(_model(args)), autocast=True)
+
+
+def _zeropp(args: argparse.Namespace) -> Step:
+    import zeropp
+    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+           "zero_optimization": {"stage": 3, **json.loads(os.environ.get("ZEROPP_BENCH_ZERO", "{}"))}}
+    engine, *_ = zeropp.initialize(model=_model(args), config=cfg)
+    return _engine_step(engine)
+
+
+def _fsdp2(args: argparse.Namespace) -> Step:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = _model(args)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return step
+    return _torch_step(model)
 
 
-def _deepspeed(args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _deepspeed(args: argparse.Namespace) -> Step:
     import deepspeed
     model = _model(args)
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
@@ -108,13 +111,7 @@ def _deepspeed(args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tensor
               "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                       config=config)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-    return step
+    return _engine_step(engine)
 
 
 MAKERS = {"ddp": _ddp, "zeropp": _zeropp, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
@@ -126,8 +123,7 @@ def _batch(args: argparse.Namespace, i: int, rank: int) -> tuple[torch.Tensor, t
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
-def _profile(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], args: argparse.Namespace,
-             rank: int) -> str:
+def _profile(step: Step, args: argparse.Namespace, rank: int) -> str:
     prof = cProfile.Profile()
     for i in range(10):
         x, y = _batch(args, 10_000 + i, rank)

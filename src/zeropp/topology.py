@@ -197,13 +197,14 @@ def ensure_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
     _leave_at_exit()
 
 
-_LEAVING: list[bool] = []  # the exit hook, once registered
+_LEAVE_REGISTERED = False  # the exit hook, once registered
 
 
 def _leave_at_exit() -> None:
-    if not _LEAVING:
+    global _LEAVE_REGISTERED
+    if not _LEAVE_REGISTERED:
         atexit.register(_leave_process_group)
-        _LEAVING.append(True)
+        _LEAVE_REGISTERED = True
 
 
 def _leave_process_group() -> None:

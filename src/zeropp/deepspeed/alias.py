@@ -76,11 +76,16 @@ class _AliasMetadata(importlib.abc.MetaPathFinder):
 _METADATA = _AliasMetadata()
 
 
+def alias_installed() -> bool:
+    """Whether ``deepspeed`` in this process is zeropp's DeepSpeed API."""
+    return getattr(sys.modules.get("deepspeed"), "__name__", "") == _PACKAGE
+
+
 def install_deepspeed_alias() -> None:
     """Register zeropp's DeepSpeed API as ``deepspeed`` (and ``deepspeed.utils``, ``deepspeed.runtime.zero``, ...)."""
     current = sys.modules.get("deepspeed")
     if current is not None:
-        if getattr(current, "__name__", "") == _PACKAGE:
+        if alias_installed():
             return  # installed already
         raise DeepSpeedAliasError(
             f"DeepSpeed itself is already imported in this process (from {getattr(current, '__file__', '?')}); "
@@ -107,4 +112,4 @@ def uninstall_deepspeed_alias() -> None:
         sys.meta_path.remove(_METADATA)
 
 
-__all__ = ["install_deepspeed_alias", "uninstall_deepspeed_alias", "DeepSpeedAliasError"]
+__all__ = ["alias_installed", "install_deepspeed_alias", "uninstall_deepspeed_alias", "DeepSpeedAliasError"]

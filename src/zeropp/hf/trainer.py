@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from typing import Any, Callable, Mapping, Optional, TypeVar, Union
 
 import torch
@@ -32,6 +31,7 @@ from zeropp.checkpoint import load_checkpoint, save_checkpoint
 from zeropp.checkpoint.format import LATEST
 from zeropp.config.loader import ConfigError, load_config, read_json
 from zeropp.config.auto import AutoValues
+from zeropp.deepspeed.alias import alias_installed
 from zeropp.hf.adapters import EngineModule, EngineOptimizer, EngineScheduler, PlainModule
 from zeropp.hf.export import save_companions, save_fp32_pretrained
 from zeropp.hf.values import auto_values, check_trainer_owned, trainer_config
@@ -92,10 +92,6 @@ def _own_engine(method: F) -> F:
     return run  # type: ignore[return-value]
 
 
-def _alias_installed() -> bool:
-    return getattr(sys.modules.get("deepspeed"), "__name__", "") == "zeropp.deepspeed"
-
-
 def _read_config(source: ConfigSource) -> tuple[dict, Optional[str]]:
     """The raw config dict and, for a file, its path (for error messages)."""
     if isinstance(source, Mapping):
@@ -138,7 +134,7 @@ class ZeroppTrainer(transformers.Trainer):
         if zeropp_config is None and not road:
             raise TypeError("ZeroppTrainer: zeropp_config= (a DeepSpeed-style JSON path or dict) or "
                             "TrainingArguments.deepspeed is required")
-        if road and not _alias_installed():
+        if road and not alias_installed():
             raise ZeroppTrainerError("ZeroppTrainer: TrainingArguments.deepspeed trains through zeropp's DeepSpeed "
                                      "API, which is not installed as `deepspeed` in this process: call "
                                      "zeropp.install_deepspeed_alias() before transformers is imported, or launch "

@@ -37,6 +37,7 @@ from zeropp.partition import listeners
 from zeropp.partition.access import METADATA, STORAGE_INFO, ParameterAccessError, call_args, call_name
 from zeropp.partition.spec import ShardSpec, take_chunk
 from zeropp.topology import world_only
+from zeropp.zero.memory import freed_storage_key, storage_key
 
 # calls that make an alias of a parameter without reading its elements
 ALIASING = frozenset({"detach"})
@@ -119,8 +120,8 @@ class PartitionedParams:
     def _add(self, param: nn.Parameter, rec: Partitioned) -> None:
         key = id(param)
         self._records[key] = (weakref.ref(param, lambda _, k=key: self._forget(k)), rec)
-        with torch._C.DisableTorchFunction():
-            storage = rec.full.untyped_storage()._cdata
+        storage = storage_key(rec.full)
+        assert storage is not None
         self._storages[storage] = key
         self._storage_of[key] = storage
 
@@ -134,13 +135,7 @@ class PartitionedParams:
         partitioned parameter), else None. A freed storage has no data (pointer 0): the cheap test first."""
         if not self._storages:
             return None
-        try:
-            with torch._C.DisableTorchFunction():
-                if t.data_ptr() != 0 or t.is_meta or t.numel() == 0:
-                    return None
-                key = self._storages.get(t.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
-            return None
+        key = self._storages.get(freed_storage_key(t))
         hit = self._records.get(key) if key is not None else None
         return hit[1] if hit is not None and hit[1].state is State.PARTITIONED else None
 

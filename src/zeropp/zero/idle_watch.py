@@ -92,17 +92,15 @@ def run_watched(mode: TorchFunctionMode, func: Any, types: Any, args: tuple, kwa
 # as torch runs any handler's call: unwatched. Except the backward, which matters most (activation checkpointing
 # recomputes forwards inside it, Note [watches stay on]): ``Tensor.backward`` and ``torch.autograd.backward`` are
 # run through autograd's engine entry with the mode on the stack, as their own bodies would.
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward)
+# their arguments in order (the same for both; Tensor.backward calls the second one ``gradient``)
+_BACKWARD_ARGS = ("tensors", "grad_tensors", "retain_graph", "create_graph", "inputs")
+
+
 def _run_watched_before_skip(mode: TorchFunctionMode, func: Any, args: tuple, kwargs: dict) -> Any:
-    if func is torch.Tensor.backward:
-        tensor, *rest = args
-        names = ("gradient", "retain_graph", "create_graph", "inputs")
-        bound = dict(zip(names, rest), **kwargs)
-        with mode:
-            return _engine_backward(tensor, bound.get("gradient"), bound.get("retain_graph"),
-                                    bound.get("create_graph", False), bound.get("inputs"))
-    if func is torch.autograd.backward and "grad_variables" not in kwargs and len(args) <= 5:
-        names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "inputs")
-        bound = dict(zip(names, args), **kwargs)
+    if func in _BACKWARDS and "grad_variables" not in kwargs and len(args) <= len(_BACKWARD_ARGS):
+        bound = dict(zip(_BACKWARD_ARGS, args), **{"grad_tensors" if k == "gradient" else k: v
+                                                   for k, v in kwargs.items()})
         with mode:
             return _engine_backward(bound["tensors"], bound.get("grad_tensors"), bound.get("retain_graph"),
                                     bound.get("create_graph", False), bound.get("inputs"))

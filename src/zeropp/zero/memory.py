@@ -63,6 +63,19 @@ def storage_key(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+def freed_storage_key(t: torch.Tensor) -> Optional[int]:
+    """:func:`storage_key` of a tensor that has elements but no data: a view of a freed storage (a released
+    unit's, a parameter partitioned at construction). None for any other tensor; the data pointer, the cheap
+    test, comes first."""
+    try:
+        with torch._C.DisableTorchFunction():
+            if t.data_ptr() != 0 or t.is_meta or t.numel() == 0:
+                return None
+            return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+        return None
+
+
 def storage_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s whole storage (what it keeps alive), unseen by torch-function modes."""
     with torch._C.DisableTorchFunction():

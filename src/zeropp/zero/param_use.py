@@ -61,6 +61,7 @@ from zeropp.partition.access import (INPLACE_DUNDERS, METADATA, STORAGE_INFO, Pa
                                      call_name, is_noop)
 from zeropp.partition.unit import ParamSlot, Unit, UnitState
 from zeropp.zero import idle_watch
+from zeropp.zero.memory import freed_storage_key, storage_key
 
 log = logging.getLogger("zeropp")
 
@@ -176,11 +177,7 @@ class ParamUse:
     def unit_of(self, t: torch.Tensor) -> Optional[Unit]:
         """The unit whose weights ``t`` shares storage with (a parameter, or what autograd saved of one and
         handed back as a plain tensor), else None."""
-        try:
-            with torch._C.DisableTorchFunction():
-                return self._storage.get(t.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
-            return None
+        return self._storage.get(storage_key(t))
 
     # ---- the model's forward and backward run inside this -----------------------------------------------
     @contextlib.contextmanager
@@ -412,13 +409,7 @@ class ParamUse:
         released storage has no data (pointer 0), which is the cheap test that comes first."""
         if not isinstance(a, torch.Tensor):
             return None
-        try:
-            with torch._C.DisableTorchFunction():  # the engine's reads of a tensor's storage are not the model's
-                if a.data_ptr() != 0 or a.is_meta or a.numel() == 0:
-                    return None
-                unit = self._storage.get(a.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
-            return None
+        unit = self._storage.get(freed_storage_key(a))
         return unit if unit is not None and unit.state is UnitState.SHARDED else None
 
     def _check_arg(self, func: Any, a: Any, first: bool) -> None:
