@@ -160,10 +160,13 @@ class ParamUse:
         self._quiet = False  # inside quiet(): compiled passes (Note [compiled regions] in compiled.py)
         self._direct: Optional[contextlib.ExitStack] = None  # watching a forward not called through the engine
         self.hooks: list[Any] = []  # removed by the engine's destroy()
+        self._root = root
+        self._exits: dict[int, Any] = {}  # each module's exit hook, called even when its forward raises
+        self._plain_exits: set[int] = set()  # ... but those in compiled blocks (Note [exit hooks in compiled ...])
         for name, mod in root.named_modules():
             self._names[id(mod)] = name
-            self.hooks += [mod.register_forward_pre_hook(self._enter, prepend=True),
-                           mod.register_forward_hook(self._exit, always_call=True)]
+            self._exits[id(mod)] = mod.register_forward_hook(self._exit, always_call=True)
+            self.hooks += [mod.register_forward_pre_hook(self._enter, prepend=True), self._exits[id(mod)]]
             if any(True for _ in mod.parameters(recurse=False)):
                 self.hooks += [mod.register_state_dict_pre_hook(self._state_dict_read),
                                mod.register_load_state_dict_pre_hook(self._state_dict_write)]
@@ -207,11 +210,33 @@ class ParamUse:
         self._running.clear()
         self._held.clear()
         self._released_in.clear()
+        self._plain_exits_in_compiled_regions()
         self._active = self._quiet = True
         try:
             yield
         finally:
             self._active = self._quiet = False
+
+    def _plain_exits_in_compiled_regions(self) -> None:
+        """Note [exit hooks in compiled regions]: a forward hook called even when the forward raises is looked
+        up by its id, and Dynamo guards on that id; every block's hooks have other ids, so a block compiled in
+        place (``block.compile()``, one code object for all blocks) recompiled for each block, and past Dynamo's
+        limit of 8 the rest ran eagerly (1B Llama on an H200: 8 graphs, FSDP2 1). Inside compiled blocks the
+        exit hook is a plain one: a module inside that raises leaves its entry, and the next exit of a module
+        around it unwinds the stack to its own entry (``_exit``); the model's root keeps the hook that is
+        always called."""
+        for mod in self._root.modules():
+            if getattr(mod, "_compiled_call_impl", None) is None or mod is self._root:
+                continue
+            for inner in mod.modules():
+                hook = self._exits.get(id(inner))
+                if hook is None or id(inner) in self._plain_exits:
+                    continue
+                hook.remove()
+                self.hooks.remove(hook)
+                self._exits[id(inner)] = inner.register_forward_hook(self._exit)
+                self._plain_exits.add(id(inner))
+                self.hooks.append(self._exits[id(inner)])
 
     @unwatched
     def _pack(self, t: torch.Tensor) -> Any:
@@ -284,15 +309,21 @@ class ParamUse:
         name = self._names.get(id(module))
         if name is None or not self._running[name]:
             return
-        self._running[name] -= 1
-        if self._stack and self._stack[-1][0] == name:
+        if any(n == name for n, _ in self._stack):  # modules inside that raised with a plain exit hook
+            while self._stack[-1][0] != name:      # (Note [exit hooks in compiled regions]) end here
+                self._ended(self._stack.pop()[0])
             self._stack.pop()
-        if not self._running[name]:
-            for unit in self._held.pop(name, ()):
-                self._release(unit)
+        self._ended(name)
         if self._direct is not None and not self._stack:  # the directly called module's forward is over
             direct, self._direct = self._direct, None
             direct.close()
+
+    def _ended(self, name: str) -> None:
+        """One forward of the module ``name`` ended: its held units go once no call of it is running."""
+        self._running[name] -= 1
+        if not self._running[name]:
+            for unit in self._held.pop(name, ()):
+                self._release(unit)
 
     def defer(self, unit: Unit) -> bool:
         """At the end of ``unit``'s own forward: True when a learned span says keep it gathered for now."""
