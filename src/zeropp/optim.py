@@ -9,7 +9,9 @@ Optimizers are torch's (zeropp steps them on the fp32 master shard):
 * no `optimizer` section: torch.optim.AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0).
 
 `weight_decay` defaults to 0.0 for Adam/AdamW, as DeepSpeed's FusedAdam does (torch's AdamW would use
-0.01). DeepSpeed's `torch_adam` key is accepted and changes nothing: zeropp always uses torch's Adam.
+0.01). DeepSpeed's `torch_adam` key is accepted and changes nothing: zeropp always uses torch's Adam. On a GPU,
+with neither `fused` nor `foreach` set, it is torch's fused implementation (one kernel for the step, as
+DeepSpeed's FusedAdam is its default there).
 
 Schedulers reimplement DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR formulas
 (deepspeed/runtime/lr_schedules.py) as `torch.optim.lr_scheduler.LRScheduler` subclasses. DeepSpeed
@@ -91,7 +93,19 @@ def _build_adam(cfg: AdamOptimizerConfig, params: Params, host_adam: bool = Fals
         for key in ("amsgrad", "maximize", "foreach", "fused"):  # the first two: refused by check_supported
             kwargs.pop(key, None)
         return CpuAdam(params, adamw=decoupled, threads=threads, **kwargs)
+    params = [dict(p, params=[p["params"]] if isinstance(p["params"], torch.Tensor) else list(p["params"]))
+              if isinstance(p, dict) else p for p in params]
+    if "fused" not in kwargs and "foreach" not in kwargs and _all_cuda_float(params):
+        # one kernel for the whole step, as DeepSpeed's FusedAdam on a GPU; torch's default (foreach) took
+        # 23.6 ms a step on a 1.24B model's fp32 master on an H200, fused 10.1 ms
+        kwargs["fused"] = True
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **kwargs)
+
+
+def _all_cuda_float(params: list[Any]) -> bool:
+    """Whether every tensor in ``params`` (tensors or param-group dicts) is a floating CUDA tensor."""
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    return bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
 
 
 class UncorrectedAdam(torch.optim.Optimizer):

@@ -54,6 +54,14 @@ def test_zeropp_on_cuda_trains_like_plain_stage_3():
     assert quantized == pytest.approx(plain, rel=5e-2)
 
 
+def test_adam_on_the_device_is_torchs_fused_one():
+    # one kernel for the step, as DeepSpeed's FusedAdam: foreach took 2.3x its time on a 1.24B model (H200)
+    engine = _engine(False)
+    assert all(g["fused"] for g in engine.master_optimizer.param_groups)
+    losses = _train(engine)
+    assert losses[-1] < losses[0]
+
+
 def test_a_forward_waits_on_the_device_at_most_once():
     engine = _engine(True)
     _train(engine)  # the pools' buffers and the kernels exist from here on

@@ -79,6 +79,16 @@ def test_param_groups_are_accepted() -> None:
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
 
 
+def test_fused_is_chosen_only_on_a_gpu_and_only_when_unset() -> None:
+    # host masters keep torch's default (the bit-exact reference paths); tests/gpu checks the GPU's fused choice
+    opt = build_optimizer(optimizer_cfg({"type": "AdamW"}), (p for p in [one_param()]))
+    assert opt.defaults["fused"] is None and len(opt.param_groups[0]["params"]) == 1
+    groups = ({"params": (p for p in [one_param(), one_param()])} for _ in range(2))  # generators all the way
+    opt = build_optimizer(optimizer_cfg({"type": "Adam", "params": {"foreach": True}}), groups)
+    assert opt.defaults["foreach"] is True and opt.defaults["fused"] is None
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+
+
 @pytest.mark.parametrize("section", [{"type": "Lamb"}])
 def test_unsupported_optimizer_settings_raise(section: dict) -> None:
     with pytest.raises(NotSupportedError):

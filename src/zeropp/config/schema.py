@@ -538,7 +538,8 @@ class AdamParams(Section):
     maximize: DSBool = F(False, doc="Maximize the objective instead of minimizing.")
     foreach: DSBool | None = F(None, doc="torch's foreach implementation switch (null = torch decides).",
                              status=STATUS_TUNING)
-    fused: DSBool | None = F(None, doc="torch's fused implementation switch (null = torch decides).",
+    fused: DSBool | None = F(None, doc="torch's fused implementation switch (null: fused when every master "
+                             "is on a GPU and foreach is not set, as DeepSpeed's FusedAdam; else torch decides).",
                            status=STATUS_TUNING)
     bias_correction: DSBool = F(True, doc="DeepSpeed FusedAdam key: `false` steps by lr * m / (sqrt(v) + eps) "
                               "without dividing the moments by 1 - beta**t (zeropp's UncorrectedAdam).")
