@@ -217,6 +217,12 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _progress(line: str) -> None:
+    """A line on stderr with the host RSS: the tail a timed-out row leaves says how far it got."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"{line} (peak host RSS {rss:.1f} GiB)", file=sys.stderr, flush=True)
+
+
 def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
     """Build the row's system, run the warm-up and the timed steps; its numbers (in this process)."""
     import torch
@@ -230,12 +236,16 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     step = make_step(args, row)
     build_s = time.perf_counter() - t0
+    _progress(f"{row}: built in {build_s:.1f} s")
     batches = _batches(args, args.warmup + args.steps)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    losses = [step(x) for x in batches[: args.warmup]]
+    losses = []
+    for i, x in enumerate(batches[: args.warmup]):
+        losses.append(step(x))
+        _progress(f"{row}: warm-up step {i + 1} done at {time.perf_counter() - t0:.1f} s")
     if cuda:
         torch.cuda.synchronize()
     warmup_s = time.perf_counter() - t0

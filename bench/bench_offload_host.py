@@ -1,5 +1,6 @@
-"""Host bytes per parameter of ZeRO-Offload (``offload_optimizer: cpu``): resident set after two steps and its
-peak, over a transformers Llama's parameter count, for each ``sub_group_size`` given.
+"""Host bytes per parameter of ZeRO-Offload (``offload_optimizer: cpu``): resident set after the steps and its
+peak, over a transformers Llama's parameter count, for each ``sub_group_size`` given; and the host step's time
+and the fresh memory it pages in (minor faults) per step, after two steps.
 
     python bench/bench_offload_host.py [--sub-group-sizes 1000000000,20000000] [--layers 16] [--hidden 1024]
 
@@ -13,8 +14,10 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
+import time
 from typing import Any
 
 import psutil
@@ -42,13 +45,19 @@ def measure(args: argparse.Namespace, sub_group: int) -> dict[str, Any]:
     engine, *_ = zeropp.initialize(model=model, config=cfg)
     del model
     x = torch.randint(0, 32000, (1, 128))
-    for _ in range(2):
+    step_s, faults = [], []
+    for _ in range(2 + args.timed_steps):
         engine.backward(engine(input_ids=x, labels=x).loss)
+        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         engine.step()
+        step_s.append(time.perf_counter() - t0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     steady = proc.memory_info().rss - base
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    timed = slice(2, None)  # the first two steps allocate the optimizer state
     return {"sub_group_size": sub_group, "params": n, "steady_bytes_per_param": steady / n,
-            "peak_bytes_per_param": peak / n}
+            "peak_bytes_per_param": peak / n, "step_s": statistics.median(step_s[timed]),
+            "fault_bytes_per_param_per_step": statistics.median(faults[timed]) * resource.getpagesize() / n}
 
 
 def main() -> None:
@@ -57,6 +66,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--port", type=int, default=29541)
+    p.add_argument("--timed-steps", type=int, default=3, help="steps timed after the first two")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "offload_host.json"))
@@ -71,7 +81,8 @@ def main() -> None:
         rows.append(json.loads(out.strip().splitlines()[-1]))
         r = rows[-1]
         print(f"sub_group_size {size:>13,}: {r['params'] / 1e6:.0f}M parameters, host bytes per parameter "
-              f"{r['steady_bytes_per_param']:.1f} after two steps, {r['peak_bytes_per_param']:.1f} at the peak")
+              f"{r['steady_bytes_per_param']:.1f} steady, {r['peak_bytes_per_param']:.1f} at the peak; optimizer step "
+              f"{r['step_s']:.3f} s, fresh pages {r['fault_bytes_per_param_per_step']:.1f} B/parameter a step")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from results_io import write_results
     write_results(args.out, {"command": "python bench/bench_offload_host.py " + " ".join(sys.argv[1:]), "rows": rows})

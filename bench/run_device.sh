@@ -4,7 +4,9 @@
 #   bench/run_device.sh 1   # make test-gpu's tests, then bench_device.py's main rows (eager, compiled, checkpointed)
 #   bench/run_device.sh 2   # ZeRO-Offload's headline rows, then the remaining compiled/checkpointed rows
 #   bench/run_device.sh 3   # torch.profiler tables of the eager and compiled rows of FSDP2 and zeropp
+#   bench/run_device.sh 4   # after a change: the main eager and compiled rows, then the offload rows (1b model)
 #
+# A cap of 0 (MORE_S=0) skips that step.
 # Runs with the machine's own python3 and packages (zeropp from src/ on PYTHONPATH, no install); DeepSpeed and
 # its pure-Python needs travel as wheels in .whl/ (docs/benchmarks.md says how they were made). Every step has
 # a time cap, so the call ends inside its limit with whatever finished written to $OUT.
@@ -30,9 +32,9 @@ case "${1:-}" in
     --out "$OUT/device.json" 2>&1 | tee "$OUT/device.log" | grep -v "^wrote"
   ;;
 2)
-  timeout -k 5 "${OFFLOAD_S:-270}" python3 bench/bench_device.py --offload --row-timeout 135 \
+  timeout -k 5 "${OFFLOAD_S:-300}" python3 bench/bench_device.py --offload --row-timeout "${OFFLOAD_ROW_S:-150}" \
     --out "$OUT/device_offload.json" 2>&1 | tee "$OUT/device_offload.log" | grep -v "^wrote"
-  timeout -k 5 "${MORE_S:-120}" python3 bench/bench_device.py --micro-batch "$MB" --row-timeout 60 \
+  [ "${MORE_S:-120}" = 0 ] || timeout -k 5 "${MORE_S:-120}" python3 bench/bench_device.py --micro-batch "$MB" --row-timeout 60 \
     --rows plain,zeropp_qwz_compile,zeropp_qwz_ckpt,zeropp_s3_compile_ckpt,zeropp_qwz_compile_ckpt \
     --out "$OUT/device_more.json" 2>&1 | tee "$OUT/device_more.log" | grep -v "^wrote"
   ;;
@@ -41,6 +43,14 @@ case "${1:-}" in
     --rows fsdp2,zeropp_s3,fsdp2_compile,zeropp_s3_compile --out "$OUT/device_profile.json" 2>&1 \
     | tee "$OUT/device_profile.log" | grep -v "^wrote"
   ;;
+4)
+  timeout -k 5 "${ROWS_S:-170}" python3 bench/bench_device.py --micro-batch "$MB" --row-timeout 60 \
+    --rows plain,fsdp2,zeropp_s3,fsdp2_compile,zeropp_s3_compile --out "$OUT/device.json" 2>&1 \
+    | tee "$OUT/device.log" | grep -v "^wrote"
+  timeout -k 5 "${OFFLOAD_S:-190}" python3 bench/bench_device.py --offload --model "${OFFLOAD_MODEL:-1b}" \
+    --micro-batch "$MB" --row-timeout "${OFFLOAD_ROW_S:-110}" --out "$OUT/device_offload.json" 2>&1 \
+    | tee "$OUT/device_offload.log" | grep -v "^wrote"
+  ;;
 *)
-  echo "usage: bench/run_device.sh 1|2|3" >&2; exit 2 ;;
+  echo "usage: bench/run_device.sh 1|2|3|4" >&2; exit 2 ;;
 esac
