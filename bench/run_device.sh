@@ -2,7 +2,7 @@
 # The GPU checks, prepared for a short lease: two calls on one warm machine, each writing under $OUT.
 #
 #   bench/run_device.sh 1   # make test-gpu's tests, then bench_device.py's main rows (eager, compiled, checkpointed)
-#   bench/run_device.sh 2   # ZeRO-Offload's headline rows, then the remaining compiled/checkpointed rows
+#   bench/run_device.sh 2   # ZeRO-Offload's headline rows (5.93B); MORE_S=120: then the remaining qwZ rows
 #   bench/run_device.sh 3   # torch.profiler tables of the eager and compiled rows of FSDP2 and zeropp
 #   bench/run_device.sh 4   # after a change: the main eager and compiled rows, then the offload rows (1b model)
 #
@@ -32,9 +32,12 @@ case "${1:-}" in
     --out "$OUT/device.json" 2>&1 | tee "$OUT/device.log" | grep -v "^wrote"
   ;;
 2)
-  timeout -k 5 "${OFFLOAD_S:-300}" python3 bench/bench_device.py --offload --row-timeout "${OFFLOAD_ROW_S:-150}" \
-    --out "$OUT/device_offload.json" 2>&1 | tee "$OUT/device_offload.log" | grep -v "^wrote"
-  [ "${MORE_S:-120}" = 0 ] || timeout -k 5 "${MORE_S:-120}" python3 bench/bench_device.py --micro-batch "$MB" --row-timeout 60 \
+  # 5.93B: ~30 s to build, DeepSpeed's CPU Adam ~70 s to compile (once per call), each host step several
+  # seconds: one warm-up and three timed steps, and every row's progress on stderr
+  timeout -k 5 "${OFFLOAD_S:-500}" python3 bench/bench_device.py --offload --warmup 1 --steps 3 \
+    --row-timeout "${OFFLOAD_ROW_S:-240}" --out "$OUT/device_offload.json" 2>&1 | tee "$OUT/device_offload.log" \
+    | grep -v "^wrote"
+  [ "${MORE_S:-0}" = 0 ] || timeout -k 5 "${MORE_S:-0}" python3 bench/bench_device.py --micro-batch "$MB" --row-timeout 60 \
     --rows plain,zeropp_qwz_compile,zeropp_qwz_ckpt,zeropp_s3_compile_ckpt,zeropp_qwz_compile_ckpt \
     --out "$OUT/device_more.json" 2>&1 | tee "$OUT/device_more.log" | grep -v "^wrote"
   ;;
