@@ -137,9 +137,9 @@ class OptimizerStep:
         passes]); the buffer grows to the largest group once."""
         units = [u for u in group if u.grad_row().dtype != torch.float32]
         size = sum(u.row.numel for u in units)
-        if self._host_grads is None or self._host_grads.numel() < size:
+        if units and (self._host_grads is None or self._host_grads.numel() < size):
             self._host_grads = None  # freed before its successor is made
-            self._host_grads = torch.empty(size, dtype=torch.float32)
+            self._host_grads = torch.empty(size, dtype=torch.float32, device=units[0].grad_row().device)
         out, at = {}, 0
         for u in units:
             out[u] = self._host_grads[at : at + u.row.numel]
@@ -272,8 +272,8 @@ class OptimizerStep:
 # 16 B/parameter of faults a step, the step 1.2-2.5 s, of which Adam itself 0.14 s), and a 1.24B model's
 # offloaded step took 6.4 s on an H200's host against DeepSpeed's 1.8 s. Now the norm reads the 16-bit rows in
 # pieces of ``NORM_PIECE`` elements through two small buffers (fp32 with the same unscale rounding, then fp64;
-# a row of one piece gets the very norm of the other path), and the update converts each group into one fp32 buffer kept between steps
-# (the size of the largest group: the memory the conversion already took at its peak, now held).
+# a row of one piece gets the very norm of the other path), and the update converts each group into one fp32
+# buffer kept between steps (the size of the largest group: memory the conversion took at its peak anyway).
 NORM_PIECE = 1 << 20
 
 
