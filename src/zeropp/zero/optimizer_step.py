@@ -78,9 +78,9 @@ class OptimizerStep:
         with self.timer.span("offload_io"):
             self.link.settle()  # the host rows are written below: no upload may still read them
 
-        # Note [host step passes]: the host's groups convert into one reused buffer, and their norm is taken in
-        # pieces of the 16-bit rows
-        in_groups = not self.residency.caches_grads and not background
+        # Note [host step passes]: the host's groups convert into one reused buffer (a delayed update: all of its
+        # units, read by its thread until the next step joins it), and their norm is taken in pieces of the rows
+        in_groups = not self.residency.caches_grads
         into: dict[Unit, torch.Tensor] = {}  # the current group's slices of the reused buffer
 
         def fp32_grad(u: Unit) -> torch.Tensor:
@@ -113,6 +113,7 @@ class OptimizerStep:
             clip = self.policy.gradient_clipping
             coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
             if background:
+                into = self._group_buffer(self.stepped) if in_groups else {}
                 self._set_master_grads(self.stepped, fp32_grad, coef)
                 self._update = BackgroundUpdate(self._apply_update)
             else:
@@ -273,7 +274,9 @@ class OptimizerStep:
 # offloaded step took 6.4 s on an H200's host against DeepSpeed's 1.8 s. Now the norm reads the 16-bit rows in
 # pieces of ``NORM_PIECE`` elements through two small buffers (fp32 with the same unscale rounding, then fp64;
 # a row of one piece gets the very norm of the other path), and the update converts each group into one fp32
-# buffer kept between steps (the size of the largest group: memory the conversion took at its peak anyway).
+# buffer kept between steps (the size of the largest group: memory the conversion took at its peak anyway). A
+# delayed update converts all its units at once into that buffer, which its thread reads until the next step
+# joins it (the 200M model with DPU here: 16 -> 0 B/parameter of fresh pages, the step call 0.8-1.7 -> 0.25-0.34 s).
 NORM_PIECE = 1 << 20
 
 
