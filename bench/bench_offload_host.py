@@ -3,6 +3,7 @@ peak, over a transformers Llama's parameter count, for each ``sub_group_size`` g
 and the fresh memory it pages in (minor faults) per step, after two steps.
 
     python bench/bench_offload_host.py [--sub-group-sizes 1000000000,20000000] [--layers 16] [--hidden 1024]
+                                       [--timed-steps 3] [--delayed-update]
 
 One process per setting (world 1, gloo, bf16, AdamW on the host). On this machine the model's 16-bit weights
 are host memory too (2 bytes per parameter a GPU would hold); on a GPU the host holds the rest: the fp32
@@ -41,7 +42,9 @@ def measure(args: argparse.Namespace, sub_group: int) -> dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
            "zero_optimization": {"stage": 3, "sub_group_size": sub_group,
-                                 "offload_optimizer": {"device": "cpu", "pin_memory": False}}}
+                                 "offload_optimizer": {"device": "cpu", "pin_memory": False,
+                                                       "delayed_update": args.delayed_update,
+                                                       "delayed_update_warmup_steps": 1}}}
     engine, *_ = zeropp.initialize(model=model, config=cfg)
     del model
     x = torch.randint(0, 32000, (1, 128))
@@ -67,6 +70,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--port", type=int, default=29541)
     p.add_argument("--timed-steps", type=int, default=3, help="steps timed after the first two")
+    p.add_argument("--delayed-update", action="store_true",
+                   help="the delayed parameter update (after one step without): its step call is timed")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "offload_host.json"))

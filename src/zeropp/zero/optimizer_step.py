@@ -276,7 +276,7 @@ class OptimizerStep:
 # a row of one piece gets the very norm of the other path), and the update converts each group into one fp32
 # buffer kept between steps (the size of the largest group: memory the conversion took at its peak anyway). A
 # delayed update converts all its units at once into that buffer, which its thread reads until the next step
-# joins it (the 200M model with DPU here: 16 -> 0 B/parameter of fresh pages, the step call 0.8-1.7 -> 0.25-0.34 s).
+# joins it (334M Llama with DPU on this VM: fresh pages 15.8 -> 0.1 B/parameter a step, the step call 2.52 -> 0.58 s).
 NORM_PIECE = 1 << 20
 
 
