@@ -20,7 +20,7 @@ of its own, ``Topology.inter_node_early``). Values do not change: an all-gather 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -158,20 +158,79 @@ def gather_into_pool(comm: Comm, pool: BufferPool, row: torch.Tensor, layout: Ro
     return GatheredRows(Arrival(out, [handle]), layout, pool)
 
 
+class _Batch:
+    """One all-gather of several units' rows laid end to end (Note [coalesced prefetch]): its buffers go back to
+    their pools once every member has been recycled."""
+
+    def __init__(self, arrival: Arrival, out: BufferPool, send: BufferPool, row: torch.Tensor, members: int) -> None:
+        self.arrival, self.out, self.send, self.row, self.left = arrival, out, send, row, members
+        self.rows: Optional[torch.Tensor] = None
+
+    def finish(self) -> torch.Tensor:
+        if self.rows is None:
+            self.rows = self.arrival.ranked(self.arrival.wait())
+            self.send.give(self.row)  # the collective has read it
+        return self.rows
+
+    def recycle(self) -> None:
+        self.left -= 1
+        if not self.left:
+            self.finish()
+            self.out.give(self.arrival.wait())
+
+
+@dataclass
+class BatchMember:
+    """One unit's part of a coalesced gather: its columns ``[at, at + numel)`` of every gathered row."""
+
+    batch: _Batch
+    at: int
+    numel: int
+    layout: RowLayout
+    done: bool = False
+
+    def finish(self) -> tuple[torch.Tensor, RowLayout]:
+        return self.batch.finish()[..., self.at : self.at + self.numel], self.layout
+
+    def advance(self) -> None:
+        pass
+
+    def recycle(self) -> None:
+        if not self.done:
+            self.done = True
+            self.batch.recycle()
+
+
 class AllGather:
     """Gather every rank's row of the unit over ``group`` (the world for ZeRO-3, by the world's route: Note
-    [two-hop gather]), in the compute dtype."""
+    [two-hop gather]), in the compute dtype. Over one hop, several units' rows may go in one collective
+    (``start_many``: Note [coalesced prefetch])."""
 
     keeps_copies = False
 
     def __init__(self, comm: Comm, group: Group | None = None) -> None:
         self.comm = comm
         self.route = WorldRoute(comm, group)
-        self.pools = BufferPools("gather", "out", "hop1")
+        self.pools = BufferPools("gather", "out", "hop1", "send")
+        self.coalesces = not self.route.two_hop
 
     def start(self, unit: Unit, phase: Phase) -> GatheredRows:
         arrival = self.route.start(unit.shard_row(), self.pools["out"], self.pools["hop1"], phase)
         return GatheredRows(arrival, unit.row, self.pools["out"])
+
+    def start_many(self, units: list[Unit], phase: Phase) -> list[BatchMember]:
+        """One all-gather of the rows of ``units`` (same dtype and device) laid end to end; a pending gather
+        per unit, each finished and recycled on its own."""
+        rows = [u.shard_row() for u in units]
+        send = self.pools["send"].take(sum(r.numel() for r in rows), rows[0].dtype, rows[0].device)
+        torch.cat(rows, out=send)
+        batch = _Batch(self.route.start(send, self.pools["out"], self.pools["hop1"], phase), self.pools["out"],
+                       self.pools["send"], send, len(units))
+        members, at = [], 0
+        for unit, row in zip(units, rows):
+            members.append(BatchMember(batch, at, row.numel(), unit.row))
+            at += row.numel()
+        return members
 
     def two_hop(self, unit: Unit) -> bool:
         return self.route.two_hop

@@ -11,6 +11,7 @@ the same layout with ``G = s`` (``W`` is a multiple of ``s``, so the padded size
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -23,7 +24,8 @@ class ShardSpec:
     shape: torch.Size
     world: int
 
-    @property
+    # computed once (the hot path reads them per unit and parameter); a frozen dataclass keeps them valid
+    @cached_property
     def chunk(self) -> int:
         """Elements per rank, padding included: ceil(numel / world) rounded up to even, at least 2.
 
@@ -32,7 +34,7 @@ class ShardSpec:
         """
         return max(2, 2 * -(-self.numel // (2 * self.world)))
 
-    @property
+    @cached_property
     def padded(self) -> int:
         return self.chunk * self.world
 
@@ -55,7 +57,7 @@ class RowLayout:
 
     chunks: tuple[int, ...]
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         out, acc = [], 0
         for c in self.chunks:
@@ -63,7 +65,7 @@ class RowLayout:
             acc += c
         return tuple(out)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(self.chunks)
 

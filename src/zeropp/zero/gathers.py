@@ -14,7 +14,7 @@ from zeropp.comm.strategy import PendingGather
 from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit, UnitState
-from zeropp.zero.memory import GatheredWeights
+from zeropp.zero.memory import COALESCED_ELEMENTS, GatheredWeights, unit_elements
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, CollectiveOrder
 from zeropp.zero.param_use import unwatched
 from zeropp.zero.persistence import KeptUnits
@@ -63,6 +63,8 @@ class Gathers:
         self.last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self.uploads: dict[Unit, Transfer] = {}  # 16-bit shards on their way up after a step
         self.held_whole = False  # every unit gathered and kept (engine.held_whole): release nothing
+        # a coalesced prefetch's cap (Note [coalesced prefetch] in zero/memory.py)
+        self._coalesce_cap = max(max((unit_elements(u) for u in units), default=0), COALESCED_ELEMENTS)
 
     def gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
@@ -145,9 +147,13 @@ class Gathers:
         # the unit being gathered now (a kept unit twice in a row): its shard is let go once it lands
         if ahead is None and nxt is not current and nxt.state is UnitState.SHARDED and not self.inflight and \
                 self.gathered_weights.admits(nxt, last[position]):
-            pending = self._start(nxt, which, optional=True)
-            if pending is not None:
-                self.inflight[nxt] = pending
+            batch = self._batch(which, position, current)
+            if len(batch) > 1:
+                self._start_many(batch, which)
+            else:
+                pending = self._start(nxt, which, optional=True)
+                if pending is not None:
+                    self.inflight[nxt] = pending
         if position + 2 < len(last):
             after = last[position + 2]
             if nxt in self.inflight and len(self.inflight) == 1 and after not in (nxt, current) and \
@@ -159,6 +165,35 @@ class Gathers:
             self.residency.prefetch_shard(after)  # NVMe: read the shard while these gathers run
         if ahead is not None:  # after the next first hop was issued, so the link stays busy while this waits
             ahead.advance()
+
+    def _batch(self, which: Pass, position: int, current: Unit) -> list[Unit]:
+        """The units to prefetch in one collective (Note [coalesced prefetch] in ``zero/memory.py``): the next unit,
+        and those that followed it last time while together they stay within the cap and DeepSpeed's bounds."""
+        last = self.last_order[which]
+        nxt = last[position + 1]
+        strategy = self.strategy(which)
+        if not getattr(strategy, "coalesces", False) or self.residency.swaps_shards:
+            return [nxt]
+        batch, total = [nxt], unit_elements(nxt)
+        for u in last[position + 2:]:
+            need = unit_elements(u)
+            if u.state is not UnitState.SHARDED or u is current or u in batch or total + need > self._coalesce_cap or \
+                    (u.compute_dtype, u.device) != (nxt.compute_dtype, nxt.device) or \
+                    not self.gathered_weights.admits_elements(total + need, current):
+                break
+            batch.append(u)
+            total += need
+        return batch
+
+    def _start_many(self, units: list[Unit], which: Pass) -> None:
+        """Start one collective for ``units`` (every rank the same: the order and bounds are shared)."""
+        for unit in units:
+            self.residency.shard_in(unit, optional=False)
+            self.await_upload(unit)
+            self.collectives.note(GATHER_FORWARD if which is Pass.FORWARD else GATHER_BACKWARD, unit.index)
+        strategy = self.strategy(which)
+        for unit, pending in zip(units, strategy.start_many(units, _LEDGER_PHASE[which])):  # type: ignore
+            self.inflight[unit] = pending
 
     @_OUTSIDE_INFERENCE_MODE
     @unwatched
