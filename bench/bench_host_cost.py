@@ -10,6 +10,7 @@ arithmetic, so each library's per-unit work (hooks, gathers, copies, checks) is 
 
 - ``ddp``: ``DistributedDataParallel`` over the model in fp32 under ``torch.autocast(bfloat16)``;
 - ``zeropp``: zeropp stage 3 (bf16), one unit per block;
+- ``zeropp_coalesced``: the same with ``zeropp_coalesced_prefetch: true`` (Note [coalesced prefetch]);
 - ``fsdp2``: ``fully_shard`` per block and on the root, ``MixedPrecisionPolicy(bf16)``;
 - ``deepspeed``: DeepSpeed ZeRO-3 (bf16, torch's AdamW; where DeepSpeed imports, ``DS_ACCELERATOR=cpu``).
 
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SYSTEMS = ("ddp", "zeropp", "fsdp2", "deepspeed")
+SYSTEMS = ("ddp", "zeropp", "zeropp_coalesced", "fsdp2", "deepspeed")
 LR = 1e-3
 
 
@@ -84,11 +85,13 @@ def _ddp(args: argparse.Namespace) -> Step:
     return _torch_step(DistributedDataParallel(_model(args)), autocast=True)
 
 
-def _zeropp(args: argparse.Namespace) -> Step:
+def _zeropp(args: argparse.Namespace, coalesced: bool = False) -> Step:
     import zeropp
+    zero = {"stage": 3, **json.loads(os.environ.get("ZEROPP_BENCH_ZERO", "{}"))}
+    if coalesced:
+        zero["zeropp_coalesced_prefetch"] = True
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-           "zero_optimization": {"stage": 3, **json.loads(os.environ.get("ZEROPP_BENCH_ZERO", "{}"))}}
+           "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": zero}
     engine, *_ = zeropp.initialize(model=_model(args), config=cfg)
     return _engine_step(engine)
 
@@ -114,7 +117,8 @@ def _deepspeed(args: argparse.Namespace) -> Step:
     return _engine_step(engine)
 
 
-MAKERS = {"ddp": _ddp, "zeropp": _zeropp, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
+MAKERS = {"ddp": _ddp, "zeropp": _zeropp, "zeropp_coalesced": lambda a: _zeropp(a, coalesced=True), "fsdp2": _fsdp2,
+          "deepspeed": _deepspeed}
 
 
 def _batch(args: argparse.Namespace, i: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +156,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
         x, y = _batch(args, i, rank)
         for name, step in steps.items():
             # the others as in a process of their own: zeropp's torch-function mode stays out of their calls
-            off = contextlib.nullcontext() if name == "zeropp" else torch._C.DisableTorchFunction()
+            off = contextlib.nullcontext() if name.startswith("zeropp") else torch._C.DisableTorchFunction()
             dist.barrier()
             t = time.perf_counter()
             with off:

@@ -1,5 +1,5 @@
-"""Coalesced prefetch (Note [coalesced prefetch] in ``zero/memory.py``): on one node, a prefetch takes the small units
-that followed the next one last time into one collective. Losses are the ones of the same run without prefetch
+"""Coalesced prefetch (``zeropp_coalesced_prefetch``, Note [coalesced prefetch] in ``zero/memory.py``): on one node,
+a prefetch takes the small units that followed the next one last time into one collective. Losses are the ones of the same run without prefetch
 (an all-gather only moves bytes), the collectives per step fall from one per unit to a few, the buffers stay
 within their bound, and a unit prefetched but not run this time (a block skipped) is drained without harm."""
 from __future__ import annotations
@@ -36,7 +36,8 @@ class SkipsABlock(LaunchBound):
 def train(rank: int, prefetch: bool, skipping: bool) -> dict:
     torch.manual_seed(0)
     model = SkipsABlock() if skipping else LaunchBound(BLOCKS, 32)
-    zero = {"stage": 3} if prefetch else {"stage": 3, "stage3_prefetch_bucket_size": 0}
+    zero = {"stage": 3, "zeropp_coalesced_prefetch": True} if prefetch else \
+        {"stage": 3, "stage3_prefetch_bucket_size": 0}
     cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     engine, *_ = zeropp.initialize(model=model, config=cfg)
@@ -88,3 +89,4 @@ def test_a_prefetched_unit_the_model_skips_is_drained():
         skipped = res[(True, True)]
         assert skipped["within"]
         assert skipped["forward_gathers"][1] < skipped["units"]
+

@@ -141,7 +141,7 @@ class ZeroEngine(nn.Module):
                                                 torch.empty((), dtype=policy.compute_dtype).element_size())
         self.gathers = Gathers(self.units, lambda: self.strategies, residency=self.residency, link=self.link,
                                timer=self.timer, collectives=self.order, kept=self.kept,
-                               gathered_weights=self.gathered_weights)
+                               gathered_weights=self.gathered_weights, coalesce=policy.coalesced_prefetch)
         if not self.plan.shards_weights:
             self.gathers.gather_resident(Phase.OTHER)
         self._build_optimizer(make_optimizer, make_scheduler, trainable)

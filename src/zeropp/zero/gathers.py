@@ -51,7 +51,7 @@ class Gathers:
 
     def __init__(self, units: list[Unit], strategies: Callable[[], Strategies], *, residency: Resident,
                  link: HostLink, timer: StepTimer, collectives: CollectiveOrder, kept: KeptUnits,
-                 gathered_weights: GatheredWeights) -> None:
+                 gathered_weights: GatheredWeights, coalesce: bool = False) -> None:
         self.units = units
         self._strategies = strategies  # the engine's, read at each use
         self.residency, self.link, self.timer = residency, link, timer
@@ -63,7 +63,8 @@ class Gathers:
         self.last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self.uploads: dict[Unit, Transfer] = {}  # 16-bit shards on their way up after a step
         self.held_whole = False  # every unit gathered and kept (engine.held_whole): release nothing
-        # a coalesced prefetch's cap (Note [coalesced prefetch] in zero/memory.py)
+        # a coalesced prefetch's cap, when asked for (Note [coalesced prefetch] in zero/memory.py)
+        self.coalesce = coalesce
         self._coalesce_cap = max(max((unit_elements(u) for u in units), default=0), COALESCED_ELEMENTS)
 
     def gather_resident(self, phase: Phase) -> None:
@@ -172,7 +173,7 @@ class Gathers:
         last = self.last_order[which]
         nxt = last[position + 1]
         strategy = self.strategy(which)
-        if not getattr(strategy, "coalesces", False) or self.residency.swaps_shards:
+        if not (self.coalesce and getattr(strategy, "coalesces", False)) or self.residency.swaps_shards:
             return [nxt]
         batch, total = [nxt], unit_elements(nxt)
         for u in last[position + 2:]:

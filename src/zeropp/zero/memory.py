@@ -273,13 +273,18 @@ def weight_storages(module: torch.nn.Module) -> set[int]:
 # bucket (Note [bucket size] in config/policy.py): the receive rows and the fp32 result row of a plain
 # reduce-scatter, the int4 wire rows, scale scratch and result row of qgZ.
 GATHERS_IN_FLIGHT = 2  # the gather being finished and one prefetch (ZeroEngine._prefetch)
-# Note [coalesced prefetch]: a prefetch over one hop (comm/gather.py's ``AllGather.start_many``) takes the units that
+# Note [coalesced prefetch] (``zeropp_coalesced_prefetch: true``, off by default): a prefetch over one hop
+# (comm/gather.py's ``AllGather.start_many``) takes the units that
 # followed the next one last time into the same collective while together they stay within the largest unit or
 # COALESCED_ELEMENTS, whichever is more: a model of many small units (LoRA adapters in units of their own, many
 # thin blocks) pays one collective's latency per batch instead of per unit, and the buffers stay bounded by that
 # size, never by the number of units. On the launch-bound model (48 blocks of 8,448 elements, 2 ranks over
 # loopback) the gathers of a step went from 102 collectives to 4 and the step from 153-160 ms to 72 ms (DDP: 35).
 # Each unit still lands (is copied into its weights) when it is used. A two-hop route gathers one unit at a time.
+# Why off by default: ranks that run different modules (a bug, or an MoE expert skipped on one rank) then issue
+# collectives of different sizes (a batch on one rank, one unit on another), and gloo aborts the process when it
+# receives more than it expected; one unit at a time, same-sized units still pair up and the collective order
+# check refuses the step by name (Note [collective order]). DeepSpeed coalesces its prefetch by default.
 COALESCED_ELEMENTS = 1 << 20
 _BUFFER_SOURCES: dict[str, Callable[[], dict[str, int]]] = {}
 
@@ -317,7 +322,8 @@ def buffer_lines(engine: Any) -> dict[str, dict[str, Any]]:
             continue
         seen.add(id(strategy))
         parts = strategy.buffer_bytes()
-        size = max(unit_max, COALESCED_ELEMENTS) if getattr(strategy, "coalesces", False) else unit_max
+        coalesced = engine.policy.coalesced_prefetch and getattr(strategy, "coalesces", False)
+        size = max(unit_max, COALESCED_ELEMENTS) if coalesced else unit_max
         what = "the largest unit" if size == unit_max else "a coalesced prefetch (Note [coalesced prefetch])"
         lines[name] = _line(sum(parts.values()), GATHERS_IN_FLIGHT * size * gather_bytes_per_element(itemsize),
                             f"{GATHERS_IN_FLIGHT} gathers x {what} ({size} elements) x "
