@@ -1,7 +1,8 @@
 """Coalesced prefetch (``zeropp_coalesced_prefetch``, Note [coalesced prefetch] in ``zero/memory.py``): on one node,
-a prefetch takes the small units that followed the next one last time into one collective. Losses are the ones of the same run without prefetch
-(an all-gather only moves bytes), the collectives per step fall from one per unit to a few, the buffers stay
-within their bound, and a unit prefetched but not run this time (a block skipped) is drained without harm."""
+a prefetch takes the small units that followed the next one last time into one collective. Losses are the ones of
+the same run without prefetch (an all-gather only moves bytes), the collectives per step fall from one per unit to a
+few, the buffers stay within their bound, and a unit prefetched but not run this time (a block skipped) is drained
+without harm."""
 from __future__ import annotations
 
 import functools
