@@ -19,8 +19,8 @@ DeepSpeed apart: once initialized, its ZeRO-3 replaces ``torch.nn.functional.lin
 it runs in a second pair of processes, interleaved with DDP again. Each system's ratio is to the DDP of its own
 pair. The systems other than zeropp run with torch-function handling off, as in a process of their own (zeropp's
 watch for reads between passes is a torch-function mode of every process holding an engine). Reported: rank
-0's median step in ms and the ratio to DDP. ``--profile`` also runs 10 zeropp steps under cProfile on rank 0
-and prints the top host costs.
+0's median step in ms and the ratio to DDP. ``--profile`` also runs 10 steps of each zeropp system under
+cProfile on rank 0 and prints the top host costs.
 """
 from __future__ import annotations
 
@@ -166,8 +166,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
             losses[name].append(float(loss))
     result: dict[str, Any] = {"median_ms": {n: 1e3 * statistics.median(t) for n, t in times.items()},
                               "times_s": times, "losses": losses}
-    if args.profile and "zeropp" in steps:
-        result["profile"] = _profile(steps["zeropp"], args, rank)
+    if args.profile:
+        result["profile"] = "".join(f"--- {name}\n{_profile(step, args, rank)}" for name, step in steps.items()
+                                    if name.startswith("zeropp"))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
