@@ -91,3 +91,22 @@ def test_a_prefetched_unit_the_model_skips_is_drained():
         assert skipped["within"]
         assert skipped["forward_gathers"][1] < skipped["units"]
 
+
+
+def warns_where_nothing_coalesces(rank: int, world: int) -> list[str]:
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = zeropp.initialize(model=LaunchBound(2, 16), config={
+            "train_micro_batch_size_per_gpu": 2, "topology": {"ranks_per_node": 2},
+            "zero_optimization": {"stage": 3, "zeropp_coalesced_prefetch": True}})
+    engine.close()
+    return [str(w.message) for w in caught if "zeropp_coalesced_prefetch" in str(w.message)]
+
+
+def test_the_switch_says_when_it_has_no_effect():
+    # 2 nodes x 2 ranks: the world's gathers take two hops, which are not coalesced; the key is not ignored silently
+    for messages in run_world(warns_where_nothing_coalesces, 4, ranks_per_node=2):
+        assert len(messages) == 1 and "no effect" in messages[0] and "two-hop" in messages[0]

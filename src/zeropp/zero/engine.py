@@ -36,6 +36,7 @@ from zeropp.zero.construction import PARAMS
 from zeropp.partition.meta import MetaMaterializer
 from zeropp.zero.values import Plan, UnitValues, agreed_rng
 from zeropp.zero.strategies import Strategies
+from zeropp.config.loader import ConfigWarning
 from zeropp.config.policy import StagePlan, TrainPolicy
 from zeropp.partition.unit import FrozenUnit, Unit, UnitState, check_requires_grad
 from zeropp.topology import Topology
@@ -142,6 +143,11 @@ class ZeroEngine(nn.Module):
         self.gathers = Gathers(self.units, lambda: self.strategies, residency=self.residency, link=self.link,
                                timer=self.timer, collectives=self.order, kept=self.kept,
                                gathered_weights=self.gathered_weights, coalesce=policy.coalesced_prefetch)
+        if policy.coalesced_prefetch and self.plan.shards_weights and (self.residency.swaps_shards or not any(
+                getattr(s, "coalesces", False) for s in (strategies.forward_gather, strategies.backward_gather))):
+            warnings.warn("zero_optimization.zeropp_coalesced_prefetch: no effect with this setup; it coalesces "
+                          "plain one-hop gathers only (not two-hop gathers across nodes, qwZ, hpZ, quantized "
+                          "frozen weights or NVMe shards)", ConfigWarning, stacklevel=3)
         if not self.plan.shards_weights:
             self.gathers.gather_resident(Phase.OTHER)
         self._build_optimizer(make_optimizer, make_scheduler, trainable)
