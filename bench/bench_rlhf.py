@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 SYSTEMS = ("ds_zero3", "zeropp_zero3", "zeropp_plus")
 ZEROPP = {"zeropp_zero3": {"stage": 3},
@@ -89,20 +89,20 @@ def worker(system: str, model_dir: str, steps: int, warmup: int, result: str) ->
         base = type("ZeroppGRPOTrainer", (ZeroppTrainer, GRPOTrainer), {})
     phases: dict[str, list[float]] = {"generation_s": [], "step_s": [], "generation_wire": [], "step_wire": []}
 
+    def timed(phase: str, call: Callable[[], Any]) -> Any:
+        """``call()``, its seconds and the bytes across the link recorded under ``phase``."""
+        wire, t = _wire(), time.perf_counter()
+        out = call()
+        phases[f"{phase}_s"].append(time.perf_counter() - t)
+        phases[f"{phase}_wire"].append(_wire() - wire)
+        return out
+
     class Timed(base):  # type: ignore[misc, valid-type]
         def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-            wire, t = _wire(), time.perf_counter()
-            out = super()._generate_single_turn(*args, **kwargs)
-            phases["generation_s"].append(time.perf_counter() - t)
-            phases["generation_wire"].append(_wire() - wire)
-            return out
+            return timed("generation", lambda: super(Timed, self)._generate_single_turn(*args, **kwargs))
 
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
-            wire, t = _wire(), time.perf_counter()
-            out = super().training_step(*args, **kwargs)
-            phases["step_s"].append(time.perf_counter() - t)
-            phases["step_wire"].append(_wire() - wire)
-            return out
+            return timed("step", lambda: super(Timed, self).training_step(*args, **kwargs))
 
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
