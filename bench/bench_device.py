@@ -124,12 +124,13 @@ def _torch_step(model: Any, opt: Any, autocast: Optional[str] = None) -> Callabl
 
 
 def _engine_step(engine: Any) -> Callable[[Any], Any]:
-    """One training step through an engine (DeepSpeed's or zeropp's)."""
+    """One training step through an engine (DeepSpeed's or zeropp's); ``step.engine`` is the engine."""
     def step(x: Any) -> Any:
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
         return loss.detach()
+    step.engine = engine  # type: ignore[attr-defined]
     return step
 
 
@@ -267,6 +268,13 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
                            "warmup_s": warmup_s, "losses": [float(v) for v in losses],
                            "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                            "graphs_after_warmup": graphs_after_warmup, "graphs_at_end": _graphs()}
+    engine = getattr(step, "engine", None)
+    if hasattr(engine, "time_report"):  # zeropp's own breakdown of the last timed step
+        out["time_report"] = engine.time_report()
+    if row.endswith("_offload") and row.startswith("zeropp"):
+        from zeropp.offload.cpu_adam import kernel_info
+        out["cpu_adam"] = kernel_info()._asdict()
+        out["threads"] = torch.get_num_threads()
     if args.profile:
         out["profile"] = _profile(step, batches[-1], cuda)
     if cuda:
@@ -288,8 +296,10 @@ def _profile(step: Callable[[Any], Any], x: Any, cuda: bool) -> str:
             step(x)
         if cuda:
             torch.cuda.synchronize()
-    table: str = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-    return table
+    averages = prof.key_averages()
+    # by self time (the ops themselves), then by total time (the engine's labelled parts, Note [host step passes])
+    return "\n".join(averages.table(sort_by=key, row_limit=25, max_name_column_width=60)
+                     for key in ("self_cpu_time_total", "cpu_time_total"))
 
 
 def _child(args: argparse.Namespace) -> None:

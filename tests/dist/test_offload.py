@@ -18,7 +18,7 @@ import torch
 
 import zeropp
 from support.models import TiedNet
-from support.train import config, train_steps
+from support.train import config, train_engine, train_steps
 from support.world import run_world
 from zeropp.offload.cpu_adam import CpuAdam
 from zeropp.offload.link import ThreadedLink
@@ -118,3 +118,41 @@ def test_the_host_step_in_groups_equals_the_plain_run(stage, dtype, dpu):
         assert grouped["losses"] == plain["losses"]
         for key, value in plain["state"].items():
             assert torch.equal(grouped["state"][key], value), key
+
+
+# A world of one rank adds each gradient into its row as it comes (GradBuckets.direct); from a separate device
+# each goes down through the link on its own (Note [direct downloads]): added as backward goes on (a bucket of
+# 60 elements) or all at its end (a bucket larger than the model), over an accumulation window of two.
+ONE_RANK_CASES = [(stage, dtype, bucket) for stage, dtype in ((2, "bf16"), (3, "bf16"), (3, "fp32"))
+                  for bucket in (60, 10**6)]
+
+
+def run_one_rank(rank: int, world: int) -> dict:
+    out = {}
+    for stage, dtype, bucket in ONE_RANK_CASES:
+        cfg = case_config(stage, dtype, False, False)
+        cfg["gradient_accumulation_steps"] = 2
+        cfg["zero_optimization"]["reduce_bucket_size"] = bucket
+        plain = train_engine(rank, world, cfg, STEPS, GB)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        link = ThreadedLink(delay=0.0005)
+        with mock.patch("zeropp.api.build_link", lambda *args: link):
+            linked = train_engine(rank, world, cfg, STEPS, GB)
+        out[(stage, dtype, bucket)] = (plain, linked, link.copies)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def one_rank_results() -> dict:
+    return run_world(run_one_rank, 1)[0]
+
+
+@pytest.mark.parametrize("stage,dtype,bucket", ONE_RANK_CASES)
+def test_one_rank_offloaded_through_a_link_equals_the_plain_run(stage, dtype, bucket):
+    plain, linked, copies = one_rank_results()[(stage, dtype, bucket)]
+    n_params = len(plain["numels"])
+    assert copies >= STEPS * 2 * n_params  # every gradient of every micro-batch went down on its own
+    assert linked["losses"] == plain["losses"] and linked["grad_norms"] == plain["grad_norms"]
+    for key, value in plain["state"].items():
+        assert torch.equal(linked["state"][key], value), key
+    assert plain["losses"][-1] < plain["losses"][0]

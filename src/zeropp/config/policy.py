@@ -32,7 +32,8 @@ from zeropp.partition.spec import ShardSpec
 # ``DEFAULT_FLOOR`` (a bucket smaller than half a million elements pays more in per-collective latency than it
 # gains in overlap: docs/benchmarks.md, "Default buckets") and at most ``DEFAULT_CAP`` (400 MB of 16-bit
 # gradient, against the 1 GB DeepSpeed's default of 5e8 costs). With a world of one rank nothing is reduced
-# and no bucket exists (``GradBuckets.direct``).
+# and no bucket exists (``GradBuckets.direct``); under optimizer offload from a separate device, up to one
+# bucket's capacity of gradients waits there for its copy to the host (Note [direct downloads] in zero/buckets.py).
 BUCKETS_IN_FLIGHT = 2  # one bucket reducing while backward fills the next (zero/buckets.py)
 DEFAULT_BUCKETS_PER_BACKWARD = 8
 DEFAULT_FLOOR = 1_000_000

@@ -52,6 +52,14 @@ class _Download:
 
 
 @dataclass
+class _DirectCopy:
+    transfer: Transfer
+    unit: Unit
+    slot: int
+    grad: torch.Tensor  # the gradient on the device, held until its copy is added
+
+
+@dataclass
 class GradBuckets:
     """Collects full gradients up to ``capacity`` padded elements, then reduces them as one bucket.
 
@@ -72,6 +80,8 @@ class GradBuckets:
     _downloads: list[_Download] = field(default_factory=list)
     pool: BufferPool = field(default_factory=BufferPool)  # bucket buffers, reused every step
     _direct_row: Optional[tuple[Unit, contextlib.ExitStack]] = None  # direct: the gradient row held in memory
+    _direct_copies: list[_DirectCopy] = field(default_factory=list)  # direct, offloaded: Note [direct downloads]
+    _direct_copying: int = 0  # their elements
 
     def add(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
         if self.direct:
@@ -88,19 +98,43 @@ class GradBuckets:
             self.flush()
 
     def _add_direct(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
-        """One rank: the mean over ranks is the gradient itself, added in fp32 as a reduced row would be.
+        """One rank: the mean over ranks is the gradient itself, added into its row as a reduced row would be.
 
         The unit's row stays in memory while its gradients keep arriving (a block's come one after another)
         and goes back when another unit's arrives or backward ends: under NVMe offload it is written once per
         backward, not once per parameter (a Llama layer's nine rewrote it nine times)."""
+        flat = grad.reshape(-1)
+        if self.link.distinct:
+            # Note [direct downloads]: rows on the host of a separate device. The gradient goes down through the
+            # link (page-locked, on its copy stream) in the row's dtype, and is added once backward is a bucket's
+            # capacity further on. A synchronous `.to(host)` here copied into pageable memory with the host
+            # waiting: 1.7 s of a 1.24B model's 3.9 s step on an H200 (`bench_device.py --offload --profile`).
+            flat = flat.to(unit.compute_dtype)
+            self._direct_copies.append(_DirectCopy(self.link.download(flat), unit, slot, flat))
+            self._direct_copying += flat.numel()
+            while self._direct_copying > self.capacity:
+                self._land_direct()
+            return
+        self._hold_direct(unit)
+        view = unit.grad_views()[slot]
+        view[: flat.numel()].add_(flat.to(view.device, view.dtype))
+
+    def _land_direct(self) -> None:
+        """Add the oldest direct download into its row (waiting for its copy)."""
+        copy = self._direct_copies.pop(0)
+        self._direct_copying -= copy.grad.numel()
+        row = copy.transfer.wait()
+        self._hold_direct(copy.unit)
+        view = copy.unit.grad_views()[copy.slot]
+        view[: row.numel()].add_(row.to(view.dtype))
+
+    def _hold_direct(self, unit: Unit) -> None:
+        """Keep ``unit``'s gradient row in memory (NVMe: read in) until another unit's is needed."""
         if self._direct_row is None or self._direct_row[0] is not unit:
             self._release_direct()
             held = contextlib.ExitStack()
             held.enter_context(self.residency.grads(unit))
             self._direct_row = (unit, held)
-        view = unit.grad_views()[slot]
-        flat = grad.reshape(-1)
-        view[: flat.numel()].add_(flat.to(view.device, view.dtype))
 
     def _release_direct(self) -> None:
         if self._direct_row is not None:
@@ -140,6 +174,8 @@ class GradBuckets:
 
     def finish(self) -> None:
         """Reduce everything still pending and accumulate it into the owning gradient shards."""
+        while self._direct_copies:
+            self._land_direct()
         self._release_direct()
         self.flush()
         while self._inflight:
@@ -182,6 +218,7 @@ class GradBuckets:
         reduced rows still being copied to the host."""
         ready = sum(e.grad.numel() * e.grad.element_size() for e in self._ready if e.grad is not None)
         copying = sum(job.row.numel() * job.row.element_size() for job in self._downloads)
+        copying += sum(c.grad.numel() * c.grad.element_size() for c in self._direct_copies)
         return ready + copying + sum(job.bucket.numel() * job.bucket.element_size() for job in self._inflight)
 
 

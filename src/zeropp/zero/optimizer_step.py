@@ -14,12 +14,14 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
+from torch.profiler import record_function  # labels the step's parts in a torch.profiler trace
 
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm
 from zeropp.config.policy import StagePlan, TrainPolicy
 from zeropp.offload.link import HostLink
 from zeropp.offload.residency import Resident
+from zeropp.offload.row_norm import squared_norm
 from zeropp.partition.unit import Unit
 from zeropp.topology import Topology
 from zeropp.zero.background import BackgroundUpdate
@@ -96,12 +98,11 @@ class OptimizerStep:
                     cache[u] = g
             return g
 
-        def sq_norm(u: Unit) -> torch.Tensor:
-            if in_groups:
-                return squared_norm_in_pieces(u.grad_row(), unscale)
-            return torch.linalg.vector_norm(fp32_grad(u), dtype=torch.float64).square()
+        def sq_norm(u: Unit) -> torch.Tensor:  # Note [row norm]: the same sum whichever row it reads
+            return squared_norm(u.grad_row(), unscale) if in_groups else squared_norm(fp32_grad(u))
 
-        norm = self._global_norm(sq_norm)
+        with record_function("zeropp.grad_norm"):
+            norm = self._global_norm(sq_norm)
         self.global_grad_norm = norm
         self.skipped = not math.isfinite(norm)
         self.skipped_steps += self.skipped
@@ -118,14 +119,17 @@ class OptimizerStep:
                 self._update = BackgroundUpdate(self._apply_update)
             else:
                 for group in self.residency.optimizer_pass(self.stepped):
-                    into = self._group_buffer(group) if in_groups else {}
-                    self._set_master_grads(group, fp32_grad, coef)
-                    fused = self._step_group(group)
-                    for u in group:
-                        for view in u.master_views():
-                            view.grad = None
-                        u.refresh_shard_from_master(recast=u not in fused)
-                        self._copy_back(u)
+                    with record_function("zeropp.grads_to_fp32"):
+                        into = self._group_buffer(group) if in_groups else {}
+                        self._set_master_grads(group, fp32_grad, coef)
+                    with record_function("zeropp.optimizer_update"):
+                        fused = self._step_group(group)
+                    with record_function("zeropp.copy_back"):
+                        for u in group:
+                            for view in u.master_views():
+                                view.grad = None
+                            u.refresh_shard_from_master(recast=u not in fused)
+                            self._copy_back(u)
                 if self.scheduler is not None and schedule:
                     self.scheduler.step()
                 if not self.plan.shards_weights:
@@ -271,28 +275,8 @@ class OptimizerStep:
 # bytes per parameter: an fp32 copy for the norm, an fp64 copy inside ``vector_norm``, and another fp32 copy for
 # the update, all freed again. The host pays for fresh memory in page faults (a 200M model on this 2-core VM:
 # 16 B/parameter of faults a step, the step 1.2-2.5 s, of which Adam itself 0.14 s), and a 1.24B model's
-# offloaded step took 6.4 s on an H200's host against DeepSpeed's 1.8 s. Now the norm reads the 16-bit rows in
-# pieces of ``NORM_PIECE`` elements through two small buffers (fp32 with the same unscale rounding, then fp64;
-# a row of one piece gets the very norm of the other path), and the update converts each group into one fp32
+# offloaded step took 6.4 s on an H200's host against DeepSpeed's 1.8 s. Now the norm reads the 16-bit rows
+# without a temporary (Note [row norm] in offload/row_norm.py), and the update converts each group into one fp32
 # buffer kept between steps (the size of the largest group: memory the conversion took at its peak anyway). A
 # delayed update converts all its units at once into that buffer, which its thread reads until the next step
 # joins it (334M Llama with DPU on this VM: fresh pages 15.8 -> 0.1 B/parameter a step, the step call 2.52 -> 0.58 s).
-NORM_PIECE = 1 << 20
-
-
-def squared_norm_in_pieces(row: torch.Tensor, unscale: float = 1.0) -> torch.Tensor:
-    """The squared L2 norm (a 0-dim fp64 tensor) of ``row`` converted to fp32 and multiplied by ``unscale``,
-    read in pieces: no full-size temporary (Note [host step passes])."""
-    row = row.reshape(-1)
-    n = row.numel()
-    total = torch.zeros((), dtype=torch.float64, device=row.device)
-    piece = max(1, min(n, NORM_PIECE))
-    b32 = torch.empty(piece, dtype=torch.float32, device=row.device)
-    b64 = torch.empty(piece, dtype=torch.float64, device=row.device)
-    for at in range(0, n, piece):
-        c = min(piece, n - at)
-        x = b32[:c].copy_(row[at : at + c])
-        if unscale != 1.0:
-            x.mul_(unscale)
-        total += torch.linalg.vector_norm(b64[:c].copy_(x)).square()  # a row of one piece: as the cached path
-    return total
