@@ -21,6 +21,8 @@ step), the formula, and their ratio.
 ``--transformers`` loads through transformers' own ZeRO-3 ``from_pretrained`` (an ``HfDeepSpeedConfig`` alive, the
 DeepSpeed alias installed) instead; the bound per rank is its chunks + the largest parameter (gathered while rank
 0 writes it) + on rank 0 the checkpoint (transformers 5 keeps every file it read mapped until the load ends).
+Also reported: what the rank held before its first parameter was built (from_pretrained's own set-up), and the
+rest of the peak against the bound.
 """
 from __future__ import annotations
 
@@ -118,10 +120,19 @@ def transformers_worker(rank: int, world: int, path: str) -> dict:
     from transformers.integrations import HfDeepSpeedConfig
 
     from support.rss import current_rss, peak_rss, reset_peak_rss
-    from zeropp.zero.construction import PARAMS
+    from zeropp.zero.construction import PARAMS, PartitionedParams
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     gc.collect()
     bare = current_rss()
+    # the RSS when the first parameter is partitioned: what from_pretrained holds before any weight exists
+    first: list[int] = []
+    partition = PartitionedParams.partition
+
+    def noted(self, *args, **kwargs):
+        if not first:
+            first.append(current_rss() - bare)
+        return partition(self, *args, **kwargs)
+    PartitionedParams.partition = noted
     keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},  # noqa: F841
                               "zero_optimization": {"stage": 3}})
     reset = reset_peak_rss()
@@ -134,8 +145,9 @@ def transformers_worker(rank: int, world: int, path: str) -> dict:
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
     read = sum(os.path.getsize(f) for f in files) if rank == 0 else 0  # rank 0 reads the whole checkpoint
+    PartitionedParams.partition = partition
     return {"rank": rank, "load_s": load_s, "load_peak": load_peak, "load_formula": chunks + largest + read,
-            "chunks": chunks, "largest_param": largest, "checkpoint_read": read,
+            "chunks": chunks, "largest_param": largest, "checkpoint_read": read, "before_first_param": first[0],
             "partitioned": all(r is not None for r in records)}
 
 
@@ -145,8 +157,11 @@ def main() -> None:
                     help="load through transformers' ZeRO-3 from_pretrained (the DeepSpeed alias) instead")
     ap.add_argument("--layers", type=int, default=18)
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary folder)")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "pretrained_load.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/pretrained_load.json "
+                                                "(pretrained_load_transformers.json with --transformers)")
     args = ap.parse_args()
+    args.out = args.out or os.path.join(RESULTS, "pretrained_load_transformers.json" if args.transformers
+                                        else "pretrained_load.json")
     from support.rss import MALLOC_ENV
     from support.world import run_world
     path = args.dir or tempfile.mkdtemp(prefix="zeropp-llama-")
@@ -165,7 +180,9 @@ def main() -> None:
             print(f"rank {r['rank']}: transformers' ZeRO-3 from_pretrained {r['load_s']:.1f} s, peak "
                   f"{r['load_peak'] / MiB:.0f} MiB (bound: chunks {r['chunks'] / MiB:.0f} + largest parameter "
                   f"{r['largest_param'] / MiB:.0f} + checkpoint read {r['checkpoint_read'] / MiB:.0f} = "
-                  f"{r['load_formula'] / MiB:.0f} MiB, {r['load_peak'] / r['load_formula']:.2f}x)")
+                  f"{r['load_formula'] / MiB:.0f} MiB, {r['load_peak'] / r['load_formula']:.2f}x); held before the "
+                  f"first parameter {r['before_first_param'] / MiB:.0f} MiB, the rest of the peak "
+                  f"{(r['load_peak'] - r['before_first_param']) / r['load_formula']:.2f}x the bound")
         write_results(args.out, {"parameters": params, "layers": args.layers, "checkpoint_dtype": "bfloat16",
                                  "world": 4, "path": "transformers ZeRO-3 from_pretrained", "ranks": ranks})
         return

@@ -454,10 +454,10 @@ def test_from_pretrained_reads_chunks_to_the_same_logits():
             assert torch.equal(res[name], want), name
 
 
-def gathered_in_pieces(rank: int, world: int) -> dict:
-    """Note [host gathers in pieces], forced on small parameters: GatheredParameters gives the values built."""
+def gathered_by_broadcasts(rank: int, world: int) -> dict:
+    """Note [large host gathers], forced on small parameters: GatheredParameters gives the values built."""
     from zeropp.zero import construction
-    construction.HOST_PIECE_FROM = 0  # every host parameter in pieces (odd sizes too: 7 x 9 over 2 ranks)
+    construction.HOST_PIECE_FROM = 0  # every host parameter by broadcasts (odd sizes too: 7 x 9 over 2 ranks)
     torch.manual_seed(0)
     with zeropp.zero.Init():
         model = nn.Sequential(nn.Linear(64, 48), nn.Linear(9, 7))
@@ -466,10 +466,10 @@ def gathered_in_pieces(rank: int, world: int) -> dict:
     return {"got": got}
 
 
-def test_large_host_parameters_gather_in_pieces_to_the_same_values():
+def test_large_host_parameters_gather_by_broadcasts_to_the_same_values():
     torch.manual_seed(0)
     want = nn.Sequential(nn.Linear(64, 48), nn.Linear(9, 7)).state_dict()
-    for res in run_world(gathered_in_pieces, 2):
+    for res in run_world(gathered_by_broadcasts, 2):
         assert set(res["got"]) == set(want)
         for key, value in want.items():
             assert torch.equal(res["got"][key], value), key

@@ -42,20 +42,19 @@ from zeropp.zero.memory import freed_storage_key, storage_key
 # calls that make an alias of a parameter without reading its elements
 ALIASING = frozenset({"detach"})
 
-# Note [host gathers in pieces]: gloo's all-gather into one host tensor stages its whole output once more before
+# Note [large host gathers]: gloo's all-gather into one host tensor stages its whole output once more before
 # copying it out (a 64 MiB gather on 4 ranks raised a rank's RSS by 130 MiB, output included). Gathering a large
 # parameter at construction (GatheredParameters; transformers' ZeRO-3 loading gathers each module's parameters
-# on every rank while rank 0 writes them) would then hold it twice: host parameters over 16 MiB are gathered in
-# pieces of at most 1/8 of them, each landing in its columns of the full buffer. CUDA tensors (NCCL gathers in
-# place) and small ones take one collective.
-HOST_PIECE_FROM = 16 << 20  # bytes of a host parameter from which it is gathered in pieces
-HOST_PIECES = 8
+# on every rank while rank 0 writes them) would then hold it twice. Host parameters over 16 MiB are gathered as
+# one broadcast per rank, each rank's chunk straight into its row of the full buffer: gloo broadcasts a
+# contiguous tensor in place. transformers' ZeRO-3 load of a 0.54B Llama on 4 ranks peaked at 408 MiB on ranks 1-3
+# (424 MiB as all-gathers in pieces of 1/8, the way before; bench/bench_pretrained_load.py --transformers). CUDA
+# tensors (NCCL gathers in place) and small ones take one all-gather.
+HOST_PIECE_FROM = 16 << 20  # bytes of a host parameter from which it is gathered by broadcasts
 
 
-def _host_pieces(full: torch.Tensor, world: int) -> int:
-    if full.device.type != "cpu" or world == 1 or full.numel() * full.element_size() < HOST_PIECE_FROM:
-        return 1
-    return HOST_PIECES
+def _by_broadcasts(full: torch.Tensor, world: int) -> bool:
+    return full.device.type == "cpu" and world > 1 and full.numel() * full.element_size() >= HOST_PIECE_FROM
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -187,19 +186,13 @@ class PartitionedParams:
         if rec.state is State.PARTITIONED:
             rec.full.untyped_storage().resize_(rec.nbytes)
             comm, shard = self.comm, rec.shard.to(rec.full.device)
-            pieces = _host_pieces(rec.full, comm.topo.world_size)
-            if pieces == 1:
+            if not _by_broadcasts(rec.full, comm.topo.world_size):
                 comm.all_gather(rec.full, shard, comm.topo.world, Phase.OTHER)
-            else:  # Note [host gathers in pieces]
-                world, chunk = comm.topo.world_size, rec.spec.chunk
-                step = -(-chunk // pieces)
-                rows = rec.full.view(world, chunk)
-                for start in range(0, chunk, step):
-                    part = shard[start : start + step]
-                    got = torch.empty(world * part.numel(), dtype=shard.dtype, device=shard.device)
-                    comm.all_gather(got, part.contiguous(), comm.topo.world, Phase.OTHER)
-                    rows[:, start : start + part.numel()].copy_(got.view(world, -1))
-                    del got
+            else:  # Note [large host gathers]
+                rows = rec.full.view(comm.topo.world_size, rec.spec.chunk)
+                rows[comm.topo.rank].copy_(shard)
+                for src in range(comm.topo.world_size):
+                    comm.broadcast(rows[src], src, comm.topo.world, Phase.OTHER)
             rec.state = State.GATHERED
         return rec
 
