@@ -189,24 +189,30 @@ def test_a_saved_weight_answers_ds_status_in_a_custom_backward(alias):
 
 
 def test_names_deepspeeds_own_tests_reach(alias):
-    """``deepspeed.runtime.zero.unwrap_model_for_generation``, ``param.ds_summary()``; DeepSpeed's
-    ``partitioned_param_data_shape`` ([0], where zeropp keeps full shapes) and ``BF16_Optimizer`` raise by name."""
+    """``deepspeed.runtime.zero.unwrap_model_for_generation``, ``param.ds_summary()``, DeepSpeed's
+    ``partitioned_param_data_shape`` (its [0]; zeropp keeps full shapes) and ``BF16_Optimizer``, which can be
+    imported, patched and tested against, never matches zeropp's optimizer and refuses to be built by name."""
     import torch.distributed as dist
 
     import deepspeed
     from deepspeed.runtime.zero import unwrap_model_for_generation
     from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation as in_stage3
     assert unwrap_model_for_generation is in_stage3
-    for module, name in (("deepspeed.runtime.zero.partition_parameters", "partitioned_param_data_shape"),
-                         ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer")):
-        with pytest.raises(DeepSpeedAPIError, match=name):
-            getattr(__import__(module, fromlist=[name]), name)
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.partition_parameters import partitioned_param_data_shape
+    assert partitioned_param_data_shape == [0]
+    with pytest.raises(DeepSpeedAPIError, match="BF16_Optimizer.*engine.optimizer"):
+        BF16_Optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    original = BF16_Optimizer.destroy  # scripts wrap it (a safe destroy for accelerate's DummyOptim)
+    BF16_Optimizer.destroy = lambda self: original(self)
+    BF16_Optimizer.destroy = original
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29678", rank=0, world_size=1)
     try:
         engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 3), config={
             "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
+        assert not isinstance(engine.optimizer, BF16_Optimizer)
         summary = engine.module.weight.ds_summary()
         assert summary == {"id": 0, "status": "NOT_AVAILABLE", "numel": 12, "ds_numel": 12, "shape": (3, 4),
                            "ds_shape": (3, 4), "requires_grad": True, "grad_shape": None, "persist": False,

@@ -50,14 +50,6 @@ MISSING: dict[str, frozenset[str]] = {
     # deepspeed.runtime.lr_schedules.<name>: schedules DeepSpeed has and zeropp does not build
     "deepspeed.runtime.lr_schedules": frozenset({"OneCycle", "LRRangeTest", "get_lr_from_config",
                                                  "get_config_from_args", "add_tuning_arguments"}),
-    # deepspeed.runtime.zero.partition_parameters.<name>
-    "deepspeed.runtime.zero.partition_parameters": frozenset({
-        # DeepSpeed's partitioned param.data is an empty [0]; zeropp's keeps its full shape (with no storage)
-        "partitioned_param_data_shape",
-    }),
-    # deepspeed.runtime.bf16_optimizer.<name>: DeepSpeed's bf16 optimizer for stages 0-1; zeropp's bf16 runs
-    # through its ZeRO optimizer at every stage (engine.optimizer)
-    "deepspeed.runtime.bf16_optimizer": frozenset({"BF16_Optimizer"}),
     # deepspeed.ops.adam.<name>
     "deepspeed.ops.adam": frozenset({"FusedAdam", "ZenFlowCPUAdam"}),
     # deepspeed.checkpointing.<name>: Megatron-style model parallelism's helpers
@@ -72,7 +64,7 @@ _WHERE = {"engine": "engine.{}", "optimizer": "ZeRO optimizer attribute {!r}"}
 
 def is_missing(where: str, name: str) -> bool:
     """Whether ``name`` is a DeepSpeed name under ``where`` (a key of :data:`MISSING`) that zeropp lacks."""
-    return name in MISSING[where]
+    return name in MISSING.get(where, ())
 
 
 def module_getattr(where: str, module: str = "") -> Callable[[str], Any]:

@@ -16,6 +16,11 @@ class ZeroParamStatus(enum.Enum):
     INFLIGHT = 3  # a gather has been started and not yet waited for
 
 
+# DeepSpeed's shape of a partitioned parameter's data (an empty [0]), for code that imports it. zeropp keeps a
+# partitioned parameter's shape (its storage is what is empty), so compare ``param.ds_status`` with
+# ``ZeroParamStatus.NOT_AVAILABLE`` to ask whether one is partitioned.
+partitioned_param_data_shape = [0]
+
 _orig_torch_arange = torch.arange  # DeepSpeed's name for the unwrapped constructor
 
 
@@ -37,7 +42,7 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: Option
 
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
-           "ZeroParamStatus", "zero_wrapper_for_fp_tensor_constructor"]
+           "ZeroParamStatus", "partitioned_param_data_shape", "zero_wrapper_for_fp_tensor_constructor"]
 
 
 from zeropp.deepspeed.missing import module_getattr  # noqa: E402 - after the names it stands beside
