@@ -1,7 +1,7 @@
 """The gradient row's squared norm (Note [row norm] in ``offload/row_norm.py``): the C kernel over host rows and
 the torch path in pieces give the norm of the row's fp32 conversion times the unscale; the kernel's bits do not
 depend on the thread count, and a 16-bit row gives the very bits of its unscaled fp32 copy (what the NVMe path
-reads), so runs that must match bit for bit still do."""
+reads), so runs that must match bit for bit still do. An accelerator's rows take torch._foreach_norm in fp32."""
 from __future__ import annotations
 
 import math
@@ -68,3 +68,27 @@ def test_a_non_finite_gradient_makes_the_norm_non_finite(norm) -> None:
     row[-1] = float("nan")
     assert math.isnan(norm(row).item())
     assert norm(row[:0]).item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_accelerator_path_gives_the_rows_norm_in_fp32(dtype: torch.dtype) -> None:
+    # runs on the host here: the same torch._foreach_norm call the engine makes on an accelerator's rows
+    row = torch.randn(300_001, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = row_norm.device_squared_norm(row, 0.5)
+    assert row_norm._FOREACH_DTYPE  # the fast call ran, not the fallback
+    assert got.dtype == torch.float64 and got.dim() == 0
+    assert math.isclose(got.item(), whole(row, 0.5), rel_tol=1e-4)  # fp32 accumulation, as clip_grad_norm_
+    inf = torch.zeros(10, dtype=dtype)
+    inf[3] = float("inf")
+    assert math.isinf(row_norm.device_squared_norm(inf).item())
+    assert row_norm.device_squared_norm(inf[:0]).item() == 0.0
+
+
+def test_a_torch_whose_foreach_norm_takes_no_dtype_gets_the_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_dtype(tensors, ord=2):  # noqa: A002 - torch's name
+        raise TypeError("_foreach_norm() got an unexpected keyword argument 'dtype'")
+    monkeypatch.setattr(torch, "_foreach_norm", no_dtype)
+    monkeypatch.setattr(row_norm, "_FOREACH_DTYPE", True)
+    row = torch.randn(5000, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    assert row_norm.device_squared_norm(row, 0.5).item() == squared_norm_in_pieces(row, 0.5).item()
+    assert not row_norm._FOREACH_DTYPE  # asked once, then the pieces
