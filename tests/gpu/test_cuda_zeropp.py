@@ -60,6 +60,8 @@ def test_adam_on_the_device_is_torchs_fused_one():
     assert all(g["fused"] for g in engine.master_optimizer.param_groups)
     losses = _train(engine)
     assert losses[-1] < losses[0]
+    # the step's fp32 gradients are not kept on the device into the next backward (Note [host step passes])
+    assert engine.stepper._host_grads is None
 
 
 def test_a_forward_waits_on_the_device_at_most_once():

@@ -138,16 +138,23 @@ class OptimizerStep:
         self.residency.clear_grads(self.stepped, keep_rows=self.plan.shards_weights)
 
     def _group_buffer(self, group: list[Unit]) -> dict[Unit, torch.Tensor]:
-        """Slices of the reused fp32 buffer for the 16-bit gradient rows of ``group`` (Note [host step
-        passes]); the buffer grows to the largest group once."""
+        """Slices of an fp32 buffer for the 16-bit gradient rows of ``group`` (Note [host step passes]): on the
+        host one buffer kept between steps, grown to the largest group once; on an accelerator a fresh one."""
         units = [u for u in group if u.grad_row().dtype != torch.float32]
         size = sum(u.row.numel for u in units)
-        if units and (self._host_grads is None or self._host_grads.numel() < size):
-            self._host_grads = None  # freed before its successor is made
-            self._host_grads = torch.empty(size, dtype=torch.float32, device=units[0].grad_row().device)
+        if not units:
+            return {}
+        device = units[0].grad_row().device
+        if device.type != "cpu":  # an accelerator's allocator reuses memory without faults; kept, the buffer would
+            buffer = torch.empty(size, dtype=torch.float32, device=device)  # sit there through the next backward
+        else:
+            if self._host_grads is None or self._host_grads.numel() < size:
+                self._host_grads = None  # freed before its successor is made
+                self._host_grads = torch.empty(size, dtype=torch.float32, device=device)
+            buffer = self._host_grads
         out, at = {}, 0
         for u in units:
-            out[u] = self._host_grads[at : at + u.row.numel]
+            out[u] = buffer[at : at + u.row.numel]
             at += u.row.numel
         return out
 
@@ -277,6 +284,7 @@ class OptimizerStep:
 # 16 B/parameter of faults a step, the step 1.2-2.5 s, of which Adam itself 0.14 s), and a 1.24B model's
 # offloaded step took 6.4 s on an H200's host against DeepSpeed's 1.8 s. Now the norm reads the 16-bit rows
 # without a temporary (Note [row norm] in offload/row_norm.py), and the update converts each group into one fp32
-# buffer kept between steps (the size of the largest group: memory the conversion took at its peak anyway). A
+# buffer kept between steps (the size of the largest group: memory the conversion took at its peak anyway; on an
+# accelerator the buffer is made each step, as kept it would sit in device memory through the next backward). A
 # delayed update converts all its units at once into that buffer, which its thread reads until the next step
 # joins it (334M Llama with DPU on this VM: fresh pages 15.8 -> 0.1 B/parameter a step, the step call 2.52 -> 0.58 s).
