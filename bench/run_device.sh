@@ -5,6 +5,8 @@
 #   bench/run_device.sh 2   # ZeRO-Offload's headline rows (5.93B); MORE_S=120: then the remaining qwZ rows
 #   bench/run_device.sh 3   # torch.profiler tables of the eager and compiled rows of FSDP2 and zeropp
 #   bench/run_device.sh 4   # after a change: the main eager and compiled rows, then the offload rows (1b model)
+#   bench/run_device.sh 5   # all of a change in one call (about 560 s): the GPU tests, the main eager and compiled
+#                           # rows, then ZeRO-Offload's 5.93B rows of zeropp and DeepSpeed side by side
 #
 # A cap of 0 (MORE_S=0) skips that step.
 # Runs with the machine's own python3 and packages (zeropp from src/ on PYTHONPATH, no install); DeepSpeed and
@@ -54,6 +56,15 @@ case "${1:-}" in
     --micro-batch "$MB" --row-timeout "${OFFLOAD_ROW_S:-110}" --out "$OUT/device_offload.json" 2>&1 \
     | tee "$OUT/device_offload.log" | grep -v "^wrote"
   ;;
+5)
+  timeout -k 5 "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider --timeout 100 tests/gpu 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -5
+  timeout -k 5 "${ROWS_S:-170}" python3 bench/bench_device.py --micro-batch "$MB" --row-timeout 60 \
+    --rows plain,fsdp2,zeropp_s3,fsdp2_compile,zeropp_s3_compile --out "$OUT/device.json" 2>&1 \
+    | tee "$OUT/device.log" | grep -v "^wrote"
+  timeout -k 5 "${OFFLOAD_S:-260}" python3 bench/bench_device.py --offload --warmup 1 --steps 3 --row-timeout 160 \
+    --out "$OUT/device_offload.json" 2>&1 | tee "$OUT/device_offload.log" | grep -v "^wrote"
+  ;;
 *)
-  echo "usage: bench/run_device.sh 1|2|3|4" >&2; exit 2 ;;
+  echo "usage: bench/run_device.sh 1|2|3|4|5" >&2; exit 2 ;;
 esac
