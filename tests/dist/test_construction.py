@@ -457,7 +457,7 @@ def test_from_pretrained_reads_chunks_to_the_same_logits():
 def gathered_by_broadcasts(rank: int, world: int) -> dict:
     """Note [large host gathers], forced on small parameters: GatheredParameters gives the values built."""
     from zeropp.zero import construction
-    construction.HOST_PIECE_FROM = 0  # every host parameter by broadcasts (odd sizes too: 7 x 9 over 2 ranks)
+    construction.HOST_BROADCAST_FROM = 0  # every host parameter by broadcasts (odd sizes too: 7 x 9 over 2 ranks)
     torch.manual_seed(0)
     with zeropp.zero.Init():
         model = nn.Sequential(nn.Linear(64, 48), nn.Linear(9, 7))

@@ -71,7 +71,7 @@ BLOCK_SUM(half_t, F16)
 
 int zn_abi(void) { return 1; }
 
-/* dtype: 0 fp32, 1 bf16, 2 fp16. Returns the sum; -1 in *ok when the block sums could not be allocated. */
+/* dtype: 0 fp32, 1 bf16, 2 fp16. Returns the sum; *ok is 0 when the block sums could not be allocated. */
 double zn_squared_norm(const void* x, int dtype, int64_t n, float unscale, int nthreads, int* ok) {
     int64_t nb = (n + BLOCK - 1) / BLOCK, esz = dtype == 0 ? 4 : 2;
     double* sums = (double*)malloc((size_t)(nb > 0 ? nb : 1) * sizeof(double));

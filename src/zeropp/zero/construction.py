@@ -50,11 +50,11 @@ ALIASING = frozenset({"detach"})
 # contiguous tensor in place. transformers' ZeRO-3 load of a 0.54B Llama on 4 ranks peaked at 408 MiB on ranks 1-3
 # (424 MiB as all-gathers in pieces of 1/8, the way before; bench/bench_pretrained_load.py --transformers). CUDA
 # tensors (NCCL gathers in place) and small ones take one all-gather.
-HOST_PIECE_FROM = 16 << 20  # bytes of a host parameter from which it is gathered by broadcasts
+HOST_BROADCAST_FROM = 16 << 20  # bytes of a host parameter from which it is gathered by broadcasts
 
 
 def _by_broadcasts(full: torch.Tensor, world: int) -> bool:
-    return full.device.type == "cpu" and world > 1 and full.numel() * full.element_size() >= HOST_PIECE_FROM
+    return full.device.type == "cpu" and world > 1 and full.numel() * full.element_size() >= HOST_BROADCAST_FROM
 
 
 F = TypeVar("F", bound=Callable[..., Any])
