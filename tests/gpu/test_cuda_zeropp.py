@@ -60,8 +60,10 @@ def test_adam_on_the_device_is_torchs_fused_one():
     assert all(g["fused"] for g in engine.master_optimizer.param_groups)
     losses = _train(engine)
     assert losses[-1] < losses[0]
-    # the step's fp32 gradients are not kept on the device into the next backward (Note [host step passes])
+    # neither the step's fp32 gradients nor the reduced rows stay on the device into the next forward (Notes
+    # [host step passes], [rows between steps])
     assert engine.stepper._host_grads is None
+    assert not engine.stepper.keeps_rows and all(u.grad is None for u in engine.units)
 
 
 def test_a_forward_waits_on_the_device_at_most_once():

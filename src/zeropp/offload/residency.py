@@ -120,8 +120,9 @@ class Resident:
     def clear_grads(self, units: list[Unit], keep_rows: bool) -> None:
         """Gradient rows back to zero after the step (``keep_rows=False``: free them)."""
         for u in units:
-            u.grad_row().zero_()
-            if not keep_rows:
+            if keep_rows:
+                u.grad_row().zero_()
+            else:
                 u.drop_grad()
 
     @contextlib.contextmanager
