@@ -203,9 +203,7 @@ def test_names_deepspeeds_own_tests_reach(alias):
     assert partitioned_param_data_shape == [0]
     with pytest.raises(DeepSpeedAPIError, match="BF16_Optimizer.*engine.optimizer"):
         BF16_Optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
-    original = BF16_Optimizer.destroy  # scripts wrap it (a safe destroy for accelerate's DummyOptim)
-    BF16_Optimizer.destroy = lambda self: original(self)
-    BF16_Optimizer.destroy = original
+    assert callable(BF16_Optimizer.destroy)  # scripts wrap it (a safe destroy for accelerate's DummyOptim)
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29678", rank=0, world_size=1)
