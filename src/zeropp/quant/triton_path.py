@@ -56,9 +56,11 @@ def _align(layout: BlockLayout) -> int:
 
 
 def _one_chunk(layout: BlockLayout, chunk: int) -> bool:
-    """Whether every block fits the one chunk that starts at its first even element: an aligned layout's blocks
-    start at multiples of the block size, and an odd block size's chunk has a spare element for an odd start."""
-    return layout.aligned and layout.block_size + layout.block_size % 2 <= chunk
+    """Whether every block fits the one chunk that starts at its first even element, one element before the
+    block where it starts at an odd one: an aligned layout's blocks start at multiples of the block size (odd
+    only for an odd block size), any other's anywhere. Such blocks are read once, not twice (max, then codes)."""
+    early = layout.block_size % 2 if layout.aligned else 1
+    return layout.block_size + early <= chunk
 
 
 def _launch_opts(chunk: int) -> dict:
