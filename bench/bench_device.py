@@ -21,6 +21,9 @@ the same seed) on the same token batches with AdamW, bf16 compute and fp32 maste
   ``gradient_checkpointing_enable(use_reentrant=False)``.
 - ``--offload``: ``zeropp_offload`` and ``deepspeed_offload``, the optimizer on the host
   (``offload_optimizer: cpu``, pinned; DeepSpeed's CPU Adam, zeropp's CpuAdam); host RSS reported.
+  ``zeropp_offload_dpu`` (by ``--rows`` only): the same with the delayed parameter update
+  (``delayed_update: true``, ZeRO-Offload's DPU: the host step of one batch overlaps the next batch's forward and
+  backward, which then use weights one step old).
 
 Timing: ``--warmup`` steps, then ``--steps`` steps between CUDA events (a host clock on the CPU), loss read
 after the last. MFU counts FLOPs per token as torchtitan does, ``6 * N + 12 * layers * heads * head_dim *
@@ -48,6 +51,7 @@ ROWS = ("plain", "fsdp2", "zeropp_s3", "zeropp_qwz", "deepspeed", "plain_ckpt", 
         "zeropp_qwz_ckpt", "fsdp2_compile", "zeropp_s3_compile", "zeropp_qwz_compile",
         "zeropp_s3_compile_ckpt", "zeropp_qwz_compile_ckpt")
 OFFLOAD_ROWS = ("zeropp_offload", "deepspeed_offload")
+MORE_OFFLOAD_ROWS = ("zeropp_offload_dpu",)  # on request (--rows): not in --offload's default set
 
 # transformers LlamaConfig fields; "1b" is Llama 3.2 1B's shape, "6b" Llama 2 7B's with 28 layers of 32
 MODELS: dict[str, dict[str, Any]] = {
@@ -180,8 +184,10 @@ def _zeropp(args: argparse.Namespace, row: str) -> Callable[[Any], Any]:
     model = build_model(args.model, args.seq, args.device)
     _checkpointing(model, row)
     zero: dict[str, Any] = {"stage": 3, "zero_quantized_weights": "_qwz" in row}
-    if row == "zeropp_offload":
+    if row.startswith("zeropp_offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if row.endswith("_dpu"):  # delayed from the second step on: the timed steps all overlap
+            zero["offload_optimizer"].update(delayed_update=True, delayed_update_warmup_steps=1)
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
               "zero_optimization": zero}
@@ -256,6 +262,8 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
         start.record()
     t0 = time.perf_counter()
     losses += [step(x) for x in batches[args.warmup:]]
+    if hasattr(getattr(step, "engine", None), "join_update"):  # a delayed update still running is step time
+        step.engine.join_update()  # type: ignore[attr-defined]
     if cuda:
         end.record()
         torch.cuda.synchronize()
@@ -271,7 +279,7 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
     engine = getattr(step, "engine", None)
     if hasattr(engine, "time_report"):  # zeropp's own breakdown of the last timed step
         out["time_report"] = engine.time_report()
-    if row.endswith("_offload") and row.startswith("zeropp"):
+    if row.startswith("zeropp_offload"):
         from zeropp.offload.cpu_adam import kernel_info
         out["cpu_adam"] = kernel_info()._asdict()
         out["threads"] = torch.get_num_threads()
@@ -396,9 +404,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.micro_batch = args.micro_batch or (4 if args.offload else 8)
     default_rows = OFFLOAD_ROWS if args.offload else ROWS
     args.row_list = args.rows.split(",") if args.rows else list(default_rows)
-    unknown = [r for r in args.row_list if r not in ROWS + OFFLOAD_ROWS]
+    known = ROWS + OFFLOAD_ROWS + MORE_OFFLOAD_ROWS
+    unknown = [r for r in args.row_list if r not in known]
     if unknown:
-        p.error(f"--rows: unknown {', '.join(unknown)}; rows: {', '.join(ROWS + OFFLOAD_ROWS)}")
+        p.error(f"--rows: unknown {', '.join(unknown)}; rows: {', '.join(known)}")
     name = "device_offload.json" if args.offload else "device.json"
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     return args
