@@ -260,10 +260,11 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+    engine = getattr(step, "engine", None)  # a zeropp or DeepSpeed engine, else None
     t0 = time.perf_counter()
     losses += [step(x) for x in batches[args.warmup:]]
-    if hasattr(getattr(step, "engine", None), "join_update"):  # a delayed update still running is step time
-        step.engine.join_update()  # type: ignore[attr-defined]
+    if hasattr(engine, "join_update"):  # a delayed update still running is step time
+        engine.join_update()
     if cuda:
         end.record()
         torch.cuda.synchronize()
@@ -276,7 +277,6 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
                            "warmup_s": warmup_s, "losses": [float(v) for v in losses],
                            "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                            "graphs_after_warmup": graphs_after_warmup, "graphs_at_end": _graphs()}
-    engine = getattr(step, "engine", None)
     if hasattr(engine, "time_report"):  # zeropp's own breakdown of the last timed step
         out["time_report"] = engine.time_report()
     if row.startswith("zeropp_offload"):

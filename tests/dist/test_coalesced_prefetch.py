@@ -92,7 +92,6 @@ def test_a_prefetched_unit_the_model_skips_is_drained():
         assert skipped["forward_gathers"][1] < skipped["units"]
 
 
-
 def warns_where_nothing_coalesces(rank: int, world: int) -> list[str]:
     import warnings
 

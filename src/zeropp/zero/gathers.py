@@ -79,11 +79,23 @@ class Gathers:
     def _start(self, unit: Unit, which: Pass, optional: bool = False) -> Optional[PendingGather]:
         """Start gathering ``unit`` once its shard is readable; None when ``optional`` and the shard could not
         be brought in (NVMe buffers busy: the prefetch is skipped)."""
-        if not self.residency.shard_in(unit, optional=optional):
+        if not self._prepare(unit, which, optional):
             return None
+        return self.strategy(which).start(unit, _LEDGER_PHASE[which])
+
+    def _prepare(self, unit: Unit, which: Pass, optional: bool = False) -> bool:
+        """Make ``unit``'s shard readable for its gather (in memory, its upload waited for) and note the gather;
+        False when ``optional`` and the shard could not be brought in."""
+        if not self.residency.shard_in(unit, optional=optional):
+            return False
         self.await_upload(unit)
         self.collectives.note(GATHER_FORWARD if which is Pass.FORWARD else GATHER_BACKWARD, unit.index)
-        return self.strategy(which).start(unit, _LEDGER_PHASE[which])
+        return True
+
+    def coalesces(self, strategy: GatherStrategy) -> bool:
+        """Whether prefetches through ``strategy`` go in batches (Note [coalesced prefetch] in ``zero/memory.py``):
+        asked for, a strategy that can (one hop, plain rows), and shards in memory (not swapped to NVMe)."""
+        return self.coalesce and getattr(strategy, "coalesces", False) and not self.residency.swaps_shards
 
     def await_upload(self, unit: Unit) -> None:
         """Optimizer offload: order the gather after the upload of the shard the last step wrote."""
@@ -172,8 +184,7 @@ class Gathers:
         and those that followed it last time while together they stay within the cap and DeepSpeed's bounds."""
         last = self.last_order[which]
         nxt = last[position + 1]
-        strategy = self.strategy(which)
-        if not (self.coalesce and getattr(strategy, "coalesces", False)) or self.residency.swaps_shards:
+        if not self.coalesces(self.strategy(which)):
             return [nxt]
         batch, total = [nxt], unit_elements(nxt)
         for u in last[position + 2:]:
@@ -189,9 +200,7 @@ class Gathers:
     def _start_many(self, units: list[Unit], which: Pass) -> None:
         """Start one collective for ``units`` (every rank the same: the order and bounds are shared)."""
         for unit in units:
-            self.residency.shard_in(unit, optional=False)
-            self.await_upload(unit)
-            self.collectives.note(GATHER_FORWARD if which is Pass.FORWARD else GATHER_BACKWARD, unit.index)
+            self._prepare(unit, which)
         strategy = self.strategy(which)
         for unit, pending in zip(units, strategy.start_many(units, _LEDGER_PHASE[which])):  # type: ignore
             self.inflight[unit] = pending

@@ -322,7 +322,7 @@ def buffer_lines(engine: Any) -> dict[str, dict[str, Any]]:
             continue
         seen.add(id(strategy))
         parts = strategy.buffer_bytes()
-        coalesced = engine.policy.coalesced_prefetch and getattr(strategy, "coalesces", False)
+        coalesced = engine.gathers.coalesces(strategy)
         size = max(unit_max, COALESCED_ELEMENTS) if coalesced else unit_max
         what = "the largest unit" if size == unit_max else "a coalesced prefetch (Note [coalesced prefetch])"
         lines[name] = _line(sum(parts.values()), GATHERS_IN_FLIGHT * size * gather_bytes_per_element(itemsize),

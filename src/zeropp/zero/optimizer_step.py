@@ -86,7 +86,7 @@ class OptimizerStep:
             self.link.settle()  # the host rows are written below: no upload may still read them
 
         # Note [host step passes]: the host's groups convert into one reused buffer (a delayed update: all of its
-        # units, read by its thread until the next step joins it), and their norm is taken in pieces of the rows
+        # units, read by its thread until the next step joins it), and the norm reads each row once (Note [row norm])
         in_groups = not self.residency.caches_grads
         into: dict[Unit, torch.Tensor] = {}  # the current group's slices of the reused buffer
 
@@ -139,7 +139,8 @@ class OptimizerStep:
                     self.scheduler.step()
                 if not self.plan.shards_weights:
                     self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
-        # the optimizer held its own fp32 copies; stages 0-2 hold no rows between steps
+        # the optimizer held its own fp32 copies; rows are kept between steps only in stage 3 on the host (Note
+        # [rows between steps])
         self.residency.clear_grads(self.stepped, keep_rows=self.keeps_rows)
 
     def _group_buffer(self, group: list[Unit]) -> dict[Unit, torch.Tensor]:
