@@ -9,8 +9,9 @@ is ``--layers`` blocks of LayerNorm and two ``--width`` x ``--width`` Linears: a
 arithmetic, so each library's per-unit work (hooks, gathers, copies, checks) is the step. Systems:
 
 - ``ddp``: ``DistributedDataParallel`` over the model in fp32 under ``torch.autocast(bfloat16)``;
-- ``zeropp``: zeropp stage 3 (bf16), one unit per block;
-- ``zeropp_coalesced``: the same with ``zeropp_coalesced_prefetch: true`` (Note [coalesced prefetch]);
+- ``zeropp``: zeropp stage 3 (bf16), one unit per block, its defaults (small units gathered in groups: Note
+  [gather groups]);
+- ``zeropp_ungrouped``: the same with ``zeropp_coalesced_prefetch: false`` (one all-gather per unit);
 - ``fsdp2``: ``fully_shard`` per block and on the root, ``MixedPrecisionPolicy(bf16)``;
 - ``deepspeed``: DeepSpeed ZeRO-3 (bf16, torch's AdamW; where DeepSpeed imports, ``DS_ACCELERATOR=cpu``).
 
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SYSTEMS = ("ddp", "zeropp", "zeropp_coalesced", "fsdp2", "deepspeed")
+SYSTEMS = ("ddp", "zeropp", "zeropp_ungrouped", "fsdp2", "deepspeed")
 LR = 1e-3
 
 
@@ -85,11 +86,11 @@ def _ddp(args: argparse.Namespace) -> Step:
     return _torch_step(DistributedDataParallel(_model(args)), autocast=True)
 
 
-def _zeropp(args: argparse.Namespace, coalesced: bool = False) -> Step:
+def _zeropp(args: argparse.Namespace, grouped: bool = True) -> Step:
     import zeropp
     zero = {"stage": 3, **json.loads(os.environ.get("ZEROPP_BENCH_ZERO", "{}"))}
-    if coalesced:
-        zero["zeropp_coalesced_prefetch"] = True
+    if not grouped:
+        zero["zeropp_coalesced_prefetch"] = False
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": zero}
     engine, *_ = zeropp.initialize(model=_model(args), config=cfg)
@@ -117,7 +118,7 @@ def _deepspeed(args: argparse.Namespace) -> Step:
     return _engine_step(engine)
 
 
-MAKERS = {"ddp": _ddp, "zeropp": _zeropp, "zeropp_coalesced": lambda a: _zeropp(a, coalesced=True), "fsdp2": _fsdp2,
+MAKERS = {"ddp": _ddp, "zeropp": _zeropp, "zeropp_ungrouped": lambda a: _zeropp(a, grouped=False), "fsdp2": _fsdp2,
           "deepspeed": _deepspeed}
 
 
@@ -136,7 +137,7 @@ def _profile(step: Step, args: argparse.Namespace, rank: int) -> str:
         prof.disable()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
-    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats(args.profile_sort).print_stats(args.profile_lines)
     return out.getvalue()
 
 
@@ -186,6 +187,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--profile", action="store_true", help="also print zeropp's top host costs (cProfile)")
+    p.add_argument("--profile-sort", default="tottime", help="pstats order: tottime (own time) or cumulative")
+    p.add_argument("--profile-lines", type=int, default=30)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "host_cost.json"))
     args = p.parse_args()

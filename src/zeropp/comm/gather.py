@@ -159,7 +159,7 @@ def gather_into_pool(comm: Comm, pool: BufferPool, row: torch.Tensor, layout: Ro
 
 
 class _Batch:
-    """One all-gather of several units' rows laid end to end (Note [coalesced prefetch]): its buffers go back to
+    """One all-gather of several units' rows laid end to end (Note [gather groups]): its buffers go back to
     their pools once every member has been recycled."""
 
     def __init__(self, arrival: Arrival, out: BufferPool, send: BufferPool, row: torch.Tensor, members: int) -> None:
@@ -204,7 +204,7 @@ class BatchMember:
 class AllGather:
     """Gather every rank's row of the unit over ``group`` (the world for ZeRO-3, by the world's route: Note
     [two-hop gather]), in the compute dtype. Over one hop, several units' rows may go in one collective
-    (``start_many``: Note [coalesced prefetch])."""
+    (``start_many``: Note [gather groups])."""
 
     keeps_copies = False
 
@@ -218,12 +218,15 @@ class AllGather:
         arrival = self.route.start(unit.shard_row(), self.pools["out"], self.pools["hop1"], phase)
         return GatheredRows(arrival, unit.row, self.pools["out"])
 
-    def start_many(self, units: list[Unit], phase: Phase) -> list[BatchMember]:
-        """One all-gather of the rows of ``units`` (same dtype and device) laid end to end; a pending gather
-        per unit, each finished and recycled on its own."""
+    def start_many(self, units: list[Unit], phase: Phase, pad_rows: int = 0) -> list[BatchMember]:
+        """One all-gather of the rows of ``units`` (same dtype and device) laid end to end, zero-padded to
+        ``pad_rows`` (Note [gather groups]: every collective of small units is that long); a pending gather per
+        unit, each finished and recycled on its own."""
         rows = [u.shard_row() for u in units]
-        send = self.pools["send"].take(sum(r.numel() for r in rows), rows[0].dtype, rows[0].device)
-        torch.cat(rows, out=send)
+        total = sum(r.numel() for r in rows)
+        send = self.pools["send"].take(max(total, pad_rows), rows[0].dtype, rows[0].device)
+        torch.cat(rows, out=send[:total])
+        send[total:].zero_()
         batch = _Batch(self.route.start(send, self.pools["out"], self.pools["hop1"], phase), self.pools["out"],
                        self.pools["send"], send, len(units))
         members, at = [], 0

@@ -111,7 +111,8 @@ class TrainPolicy:
     gather_granularity: str = "block"  # stage 3 units: one per block (ModuleList child) or per module
     prefetch_bucket_size: int = 50_000_000  # stage 3: most elements one prefetch may gather (0: none)
     max_live_parameters: int = 1_000_000_000  # stage 3: gathered + in-flight elements a prefetch may reach
-    coalesced_prefetch: bool = False  # stage 3: small units prefetched in one collective (Note [coalesced prefetch])
+    coalesced_prefetch: bool = True  # stage 3: small units gathered in groups (Note [gather groups])
+    coalesced_prefetch_asked: bool = False  # set true in the config (initialize warns where it has no effect)
     persistence_threshold: int = 0  # stage 3: units this small stay gathered until the step (Note [persistent units])
     model_persistence_threshold: int = 2**63 - 1  # stage 3: the most elements persistent units hold together
     broadcast_rank0: bool = True  # take rank 0's weights at construction (Note [one model at initialize])
@@ -148,6 +149,8 @@ def resolve(cfg: ZeroppConfig, world_size: int, model: nn.Module) -> TrainPolicy
         prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
         max_live_parameters=zero.stage3_max_live_parameters,
         coalesced_prefetch=zero.zeropp_coalesced_prefetch,
+        coalesced_prefetch_asked=zero.zeropp_coalesced_prefetch and
+        "zeropp_coalesced_prefetch" in zero.model_fields_set,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         model_persistence_threshold=zero.stage3_model_persistence_threshold,
         broadcast_rank0=cfg.broadcast_rank0_weights,

@@ -265,14 +265,13 @@ class ZeroConfig(Section):
                                      "DeepSpeed requires).", status=STATUS_TUNING)
     stage3_prefetch_bucket_size: DSInt = F(50_000_000, ge=0, doc="Most elements one prefetch may gather (the "
                                            "next unit, one at a time); 0 turns prefetching off.")
-    zeropp_coalesced_prefetch: DSBool = F(False, doc="Our extension (Note [coalesced prefetch]): over one hop, a "
-                                          "prefetch also takes the units that followed the next one last time "
-                                          "into the same all-gather, up to the largest unit or 2^20 elements: "
-                                          "one collective's latency per batch of small units (LoRA adapters, thin "
-                                          "blocks) instead of per unit. Off by default: ranks that run different "
-                                          "modules then issue collectives of different sizes, which gloo answers "
-                                          "by aborting the process, where one unit at a time leaves same-sized "
-                                          "units to the collective order check's error by name.")
+    zeropp_coalesced_prefetch: DSBool = F(True, doc="Our extension (Note [gather groups]): over one hop, small "
+                                          "units (at most 2^20 elements) are gathered in groups, one all-gather "
+                                          "each, in the order the last pass ran them: one collective's latency "
+                                          "per group of thin blocks or LoRA adapters instead of per unit. Every "
+                                          "such collective is padded to one length, so ranks that run different "
+                                          "modules are refused by the collective order check, not aborted by "
+                                          "the transport. false: one all-gather per unit.")
     stage3_param_persistence_threshold: DSInt = F(0, ge=0, doc="Stage 3: a gather unit of at most this many "
                                                   "elements stays gathered from its first use until the next "
                                                   "optimizer step (one gather per step instead of two per "

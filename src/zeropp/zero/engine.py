@@ -143,9 +143,9 @@ class ZeroEngine(nn.Module):
         self.gathers = Gathers(self.units, lambda: self.strategies, residency=self.residency, link=self.link,
                                timer=self.timer, collectives=self.order, kept=self.kept,
                                gathered_weights=self.gathered_weights, coalesce=policy.coalesced_prefetch)
-        if policy.coalesced_prefetch and self.plan.shards_weights and not any(
+        if policy.coalesced_prefetch_asked and self.plan.shards_weights and not any(
                 self.gathers.coalesces(s) for s in (strategies.forward_gather, strategies.backward_gather)):
-            warnings.warn("zero_optimization.zeropp_coalesced_prefetch: no effect with this setup; it coalesces "
+            warnings.warn("zero_optimization.zeropp_coalesced_prefetch: no effect with this setup; it groups "
                           "plain one-hop gathers only (not two-hop gathers across nodes, qwZ, hpZ, quantized "
                           "frozen weights or NVMe shards)", ConfigWarning, stacklevel=3)
         if not self.plan.shards_weights:

@@ -14,7 +14,7 @@ from zeropp.comm.strategy import PendingGather
 from zeropp.offload.link import HostLink, Transfer
 from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit, UnitState
-from zeropp.zero.memory import COALESCED_ELEMENTS, GatheredWeights, unit_elements
+from zeropp.zero.memory import GROUP_ELEMENTS, GatheredWeights, unit_elements
 from zeropp.zero.order_check import GATHER_BACKWARD, GATHER_FORWARD, CollectiveOrder
 from zeropp.zero.param_use import unwatched
 from zeropp.zero.persistence import KeptUnits
@@ -63,9 +63,16 @@ class Gathers:
         self.last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self.uploads: dict[Unit, Transfer] = {}  # 16-bit shards on their way up after a step
         self.held_whole = False  # every unit gathered and kept (engine.held_whole): release nothing
-        # a coalesced prefetch's cap, when asked for (Note [coalesced prefetch] in zero/memory.py)
-        self.coalesce = coalesce
-        self._coalesce_cap = max(max((unit_elements(u) for u in units), default=0), COALESCED_ELEMENTS)
+        # Note [gather groups] in zero/memory.py: each pass's groups of small units, formed from its last order
+        self.coalesce = coalesce and gathered_weights.prefetch_bucket > 0
+        self.groups: dict[Pass, dict[Unit, tuple[Unit, ...]]] = {Pass.FORWARD: {}, Pass.BACKWARD: {}}
+        self.issued: dict[Pass, set[Unit]] = {Pass.FORWARD: set(), Pass.BACKWARD: set()}  # gathers started
+        cap = min(GROUP_ELEMENTS, gathered_weights.prefetch_bucket)
+        world = next((unit_elements(u) // u.row.numel for u in units if u.row.numel), 1)  # the units' partition
+        self._group_rows = cap // world  # a group's rows: this rank's part of at most ``cap`` elements
+        self._small = frozenset(u for u in units if 0 < u.row.numel <= self._group_rows and u not in kept)
+        # every collective of small units is this long (Note [gather groups]: same sizes on every rank)
+        self._pad_rows = min(self._group_rows, sum(u.row.numel for u in self._small))
 
     def gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
@@ -90,11 +97,12 @@ class Gathers:
             return False
         self.await_upload(unit)
         self.collectives.note(GATHER_FORWARD if which is Pass.FORWARD else GATHER_BACKWARD, unit.index)
+        self.issued[which].add(unit)
         return True
 
     def coalesces(self, strategy: GatherStrategy) -> bool:
-        """Whether prefetches through ``strategy`` go in batches (Note [coalesced prefetch] in ``zero/memory.py``):
-        asked for, a strategy that can (one hop, plain rows), and shards in memory (not swapped to NVMe)."""
+        """Whether gathers through ``strategy`` go in groups (Note [gather groups] in ``zero/memory.py``): on (the
+        default), prefetching on, a strategy that can (one hop, plain rows), shards in memory (not on NVMe)."""
         return self.coalesce and getattr(strategy, "coalesces", False) and not self.residency.swaps_shards
 
     def await_upload(self, unit: Unit) -> None:
@@ -131,12 +139,21 @@ class Gathers:
             # hpZ slice is cut from the old weights under the new version.
             self.free(unit)
         order.append(unit)
-        pending = self.inflight.pop(unit, None) or self._start(unit, which)
-        assert pending is not None
+        pending = self.inflight.pop(unit, None) or self._demand(unit, which)
         self._prefetch(which, len(order) - 1)
         self.land(unit, pending)
         self.gathered_weights.gathered(unit)
         self.kept.gathered(unit)
+
+    def _demand(self, unit: Unit, which: Pass) -> PendingGather:
+        """Start the gather of ``unit``, needed now: with its group's next members (Note [gather groups])."""
+        batch = self._group_from(unit, which)
+        if batch is None:
+            pending = self._start(unit, which)
+            assert pending is not None
+            return pending
+        self._start_many(batch, which)
+        return self.inflight.pop(unit)
 
     def land(self, unit: Unit, pending: PendingGather) -> None:
         """Wait for ``unit``'s gather and give the unit its full weights."""
@@ -160,8 +177,8 @@ class Gathers:
         # the unit being gathered now (a kept unit twice in a row): its shard is let go once it lands
         if ahead is None and nxt is not current and nxt.state is UnitState.SHARDED and not self.inflight and \
                 self.gathered_weights.admits(nxt, last[position]):
-            batch = self._batch(which, position, current)
-            if len(batch) > 1:
+            batch = self._group_from(nxt, which, current)
+            if batch is not None:
                 self._start_many(batch, which)
             else:
                 pending = self._start(nxt, which, optional=True)
@@ -179,30 +196,57 @@ class Gathers:
         if ahead is not None:  # after the next first hop was issued, so the link stays busy while this waits
             ahead.advance()
 
-    def _batch(self, which: Pass, position: int, current: Unit) -> list[Unit]:
-        """The units to prefetch in one collective (Note [coalesced prefetch] in ``zero/memory.py``): the next unit,
-        and those that followed it last time while together they stay within the cap and DeepSpeed's bounds."""
-        last = self.last_order[which]
-        nxt = last[position + 1]
-        if not self.coalesces(self.strategy(which)):
-            return [nxt]
-        batch, total = [nxt], unit_elements(nxt)
-        for u in last[position + 2:]:
-            need = unit_elements(u)
-            if u.state is not UnitState.SHARDED or u is current or u in batch or total + need > self._coalesce_cap or \
-                    (u.compute_dtype, u.device) != (nxt.compute_dtype, nxt.device) or \
-                    not self.gathered_weights.admits_elements(total + need, current):
-                break
+    def _group_from(self, unit: Unit, which: Pass, *gathering: Unit) -> Optional[list[Unit]]:
+        """The units to gather in one collective with ``unit`` (Note [gather groups] in ``zero/memory.py``): the
+        members of its group that no gather of this pass has taken yet, in group order, within DeepSpeed's bounds
+        while ``gathering`` are gathered; ``[unit]`` for a small unit gathered again or in no group (a padded
+        collective all the same); None where this pass forms no groups or ``unit`` is not small."""
+        groups = self.groups[which]
+        if not groups or unit not in self._small:
+            return None
+        group = groups.get(unit)
+        issued = self.issued[which]
+        if group is None or unit in issued:
+            return [unit]
+        # every member not taken yet, those before ``unit`` too: ranks that run a group's units in another
+        # order then still gather each group in one collective, and issue as many collectives
+        batch, total = [], unit_elements(unit)
+        for u in group:
+            if u is not unit:
+                if u.state is not UnitState.SHARDED or u in issued or u in gathering:
+                    continue
+                if not self.gathered_weights.admits_elements(total + unit_elements(u), *gathering):
+                    continue
+                total += unit_elements(u)
             batch.append(u)
-            total += need
         return batch
 
+    def _form_groups(self, which: Pass, order: list[Unit]) -> None:
+        """The next pass's groups: runs of distinct small units in ``order`` (this pass's), each of at most the
+        group's rows and of one dtype and device (Note [gather groups])."""
+        groups: dict[Unit, tuple[Unit, ...]] = {}
+        if self.coalesces(self.strategy(which)):
+            run: list[Unit] = []
+            for unit in dict.fromkeys(order):  # a unit used twice is grouped where it came first
+                if unit not in self._small:
+                    groups.update((u, tuple(run)) for u in run)
+                    run = []
+                    continue
+                if run and (sum(u.row.numel for u in run) + unit.row.numel > self._group_rows or
+                            (unit.compute_dtype, unit.device) != (run[0].compute_dtype, run[0].device)):
+                    groups.update((u, tuple(run)) for u in run)
+                    run = []
+                run.append(unit)
+            groups.update((u, tuple(run)) for u in run)
+        self.groups[which] = groups
+
     def _start_many(self, units: list[Unit], which: Pass) -> None:
-        """Start one collective for ``units`` (every rank the same: the order and bounds are shared)."""
+        """Start one collective for ``units``, padded to the length of every collective of small units."""
         for unit in units:
             self._prepare(unit, which)
         strategy = self.strategy(which)
-        for unit, pending in zip(units, strategy.start_many(units, _LEDGER_PHASE[which])):  # type: ignore
+        for unit, pending in zip(units, strategy.start_many(units, _LEDGER_PHASE[which],  # type: ignore
+                                                            pad_rows=self._pad_rows)):
             self.inflight[unit] = pending
 
     @_OUTSIDE_INFERENCE_MODE
@@ -252,4 +296,6 @@ class Gathers:
         self.inflight.clear()
         for unit in self.units:  # shards read ahead that no gather used (another path, or already gathered)
             self.residency.shard_done(unit)
+        self._form_groups(which, self.passes[which])
+        self.issued[which] = set()
         self.last_order[which], self.passes[which] = self.passes[which], []

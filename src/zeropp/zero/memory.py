@@ -273,19 +273,27 @@ def weight_storages(module: torch.nn.Module) -> set[int]:
 # bucket (Note [bucket size] in config/policy.py): the receive rows and the fp32 result row of a plain
 # reduce-scatter, the int4 wire rows, scale scratch and result row of qgZ.
 GATHERS_IN_FLIGHT = 2  # the gather being finished and one prefetch (ZeroEngine._prefetch)
-# Note [coalesced prefetch] (``zeropp_coalesced_prefetch: true``, off by default): a prefetch over one hop
-# (comm/gather.py's ``AllGather.start_many``) takes the units that
-# followed the next one last time into the same collective while together they stay within the largest unit or
-# COALESCED_ELEMENTS, whichever is more: a model of many small units (LoRA adapters in units of their own, many
-# thin blocks) pays one collective's latency per batch instead of per unit, and the buffers stay bounded by that
-# size, never by the number of units. On the launch-bound model (48 blocks of 8,448 elements, 2 ranks over
-# loopback) the gathers of a step went from 102 collectives to 4 and the step from 153-160 ms to 72 ms (DDP: 35).
-# Each unit still lands (is copied into its weights) when it is used. A two-hop route gathers one unit at a time.
-# Why off by default: ranks that run different modules (a bug, or an MoE expert skipped on one rank) then issue
-# collectives of different sizes (a batch on one rank, one unit on another), and gloo aborts the process when it
-# receives more than it expected; one unit at a time, same-sized units still pair up and the collective order
-# check refuses the step by name (Note [collective order]). DeepSpeed coalesces its prefetch by default.
-COALESCED_ELEMENTS = 1 << 20
+# Note [gather groups] (``zeropp_coalesced_prefetch``, on by default): over one hop, small units (at most
+# GROUP_ELEMENTS gathered, not persistent) are gathered in groups, one collective per group, instead of one each:
+# a model of many small units (thin blocks, LoRA adapters in units of their own, stray norms) pays one
+# collective's latency per group. A pass's groups are runs of distinct small units in the order the same pass
+# ran last time (so the first pass of each kind forms none), each of at most GROUP_ELEMENTS together (and
+# stage3_prefetch_bucket_size); a group is gathered when its first unit is needed or prefetched, taking the members
+# from that unit on that no gather of the pass has taken yet (and that ZeRO-R's bounds admit). Each unit still
+# lands (is copied into its weights) when it is used; buffers stay bounded by GROUP_ELEMENTS, never by the number
+# of units. On the launch-bound model (48 blocks of 8,448 elements, 2 ranks over loopback) a step's gathers went
+# from 102 collectives to 2 (comm/gather.py's ``AllGather.start_many``). Units over GROUP_ELEMENTS are gathered
+# one at a time as before, so models of large blocks see no change. A two-hop route, qwZ and hpZ gather one
+# unit at a time.
+# Ranks that run different modules must still fail by name, not by a signal: gloo aborts the process when a
+# collective brings more bytes than the rank expected. So every collective of small units, a group or a small
+# unit alone (gathered again, or in no group), is zero-padded to one length fixed at initialize (the smaller of
+# GROUP_ELEMENTS and all small units together, in rows): two ranks that gather different small units issue
+# collectives of the same size, and the collective order check refuses the step by name (Note [collective
+# order]). Ranks that skip different units of one group issue the same collectives and diverge only in their
+# gradients, which the same check refuses. Padding costs bytes, not collectives: every group but a pass's last
+# is nearly full, and the whole launch-bound model is one group.
+GROUP_ELEMENTS = 1 << 20
 _BUFFER_SOURCES: dict[str, Callable[[], dict[str, int]]] = {}
 
 
@@ -323,8 +331,8 @@ def buffer_lines(engine: Any) -> dict[str, dict[str, Any]]:
         seen.add(id(strategy))
         parts = strategy.buffer_bytes()
         coalesced = engine.gathers.coalesces(strategy)
-        size = max(unit_max, COALESCED_ELEMENTS) if coalesced else unit_max
-        what = "the largest unit" if size == unit_max else "a coalesced prefetch (Note [coalesced prefetch])"
+        size = max(unit_max, GROUP_ELEMENTS) if coalesced else unit_max
+        what = "the largest unit" if size == unit_max else "a group of small units (Note [gather groups])"
         lines[name] = _line(sum(parts.values()), GATHERS_IN_FLIGHT * size * gather_bytes_per_element(itemsize),
                             f"{GATHERS_IN_FLIGHT} gathers x {what} ({size} elements) x "
                             f"{gather_bytes_per_element(itemsize)} B", parts)
