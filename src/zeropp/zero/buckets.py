@@ -235,4 +235,5 @@ def _copy_padded(dest: torch.Tensor, flat: torch.Tensor) -> None:
         dest[q, :r].copy_(flat[q * c :])
         dest[q, r:].zero_()
         q += 1
-    dest[q:].zero_()
+    if q < dest.shape[0]:  # (a call on an empty slice still costs a dispatch, for every gradient)
+        dest[q:].zero_()

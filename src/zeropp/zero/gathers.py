@@ -5,7 +5,8 @@ weight from the shards. The engine's hooks decide when; this part does it.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Optional
+import functools
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -26,7 +27,20 @@ from zeropp.zero.timing import StepTimer
 # buffer, an hpZ slice or a prefetch, and a tensor made there is an inference tensor, which the collectives of
 # every later training step could not write into ("Inplace update to inference tensor outside
 # InferenceMode"). Gathers and releases therefore make their tensors with inference mode off.
-_OUTSIDE_INFERENCE_MODE = torch.inference_mode(False)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _outside_inference_mode(fn: F) -> F:
+    """Run ``fn`` with inference mode off (Note [inference mode]); a training step, where it is off already,
+    pays one flag read instead of torch's context-manager decorator (about 2% of a launch-bound step)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+    return run  # type: ignore[return-value]
+
 
 # Note [generation gathers]: generation (``engine.held_whole()``: a trainer's ``generate``, TRL's online RL) gathers
 # every unit once and keeps the model whole until it ends, instead of once per generated token. The whole-model
@@ -124,7 +138,7 @@ class Gathers:
     def strategy(self, which: Pass) -> GatherStrategy:
         return self._strategies().forward_gather if which is Pass.FORWARD else self._strategies().backward_gather
 
-    @_OUTSIDE_INFERENCE_MODE
+    @_outside_inference_mode
     @unwatched
     def gather(self, unit: Unit, which: Pass) -> None:
         order = self.passes[which]
@@ -249,7 +263,7 @@ class Gathers:
                                                             pad_rows=self._pad_rows)):
             self.inflight[unit] = pending
 
-    @_OUTSIDE_INFERENCE_MODE
+    @_outside_inference_mode
     @unwatched
     def gather_all(self) -> list[Unit]:
         """Gather every released unit through the forward's strategy (qwZ's int8 blocks, hpZ's copy where
@@ -265,7 +279,7 @@ class Gathers:
         self._strategies().forward_gather.settle()
         return held
 
-    @_OUTSIDE_INFERENCE_MODE
+    @_outside_inference_mode
     @unwatched
     def free_all(self, units: list[Unit]) -> None:
         """Free what :meth:`gather_all` gathered (no hpZ slice is cut: no backward follows)."""
@@ -273,7 +287,7 @@ class Gathers:
             if unit.state is UnitState.GATHERED and not self.kept.holds(unit):
                 self.free(unit)
 
-    @_OUTSIDE_INFERENCE_MODE
+    @_outside_inference_mode
     @unwatched
     def release(self, unit: Unit, which: Pass) -> None:
         if unit.state is UnitState.GATHERED and not self.held_whole and not self.kept.holds(unit):
@@ -285,7 +299,7 @@ class Gathers:
         self.gathered_weights.released(unit)
         unit.release()
 
-    @_OUTSIDE_INFERENCE_MODE
+    @_outside_inference_mode
     @unwatched
     def drain(self, which: Pass) -> None:
         """Complete and drop prefetches that were not used (the model took another path this time)."""

@@ -76,6 +76,9 @@ def freed_storage_key(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+_NO_MODES = torch._C.DisableTorchFunction
+
+
 def storage_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s whole storage (what it keeps alive), unseen by torch-function modes."""
     with torch._C.DisableTorchFunction():
@@ -95,14 +98,6 @@ class _Token:
     def __del__(self) -> None:
         for m in self.meters:
             m._drop(self.key)
-
-
-@dataclass
-class _Held:
-    """What the meter hands autograd: the outer pair's packed value and the meter's token."""
-
-    inner: Any
-    token: Optional[_Token]
 
 
 def _active() -> list["ActivationMeter"]:
@@ -146,15 +141,21 @@ class ActivationMeter:
         excluded = self._excluded()
         outer_pack, outer_unpack = outer
 
-        def pack(t: torch.Tensor) -> _Held:
-            key = storage_key(t)
-            token = None
-            if key is not None and key not in excluded and t.device.type != "meta":
-                token = _Token([self], key, storage_bytes(t), DEVICE)
-            return _Held(outer_pack(t), token)
+        meters = [self]
 
-        def unpack(held: _Held) -> torch.Tensor:
-            return outer_unpack(held.inner)
+        def pack(t: torch.Tensor) -> tuple[Any, Optional[_Token]]:
+            # every saved tensor passes here: one storage read with the modes off, the token only for activations
+            with _NO_MODES():
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
+                    return outer_pack(t), None
+                key = storage._cdata
+                token = None if key in excluded or t.is_meta else _Token(meters, key, storage.nbytes(), DEVICE)
+            return outer_pack(t), token
+
+        def unpack(held: tuple[Any, Optional[_Token]]) -> torch.Tensor:
+            return outer_unpack(held[0])
 
         stack = _active()
         _local.meters = stack + [self]
