@@ -211,7 +211,7 @@ def main() -> None:
     profile = None
     for systems in sets:
         part = _run_pair(args, list(systems))
-        profile = part.pop("profile", profile)
+        profile = part.pop("profile", None) or profile  # (DeepSpeed's pair profiles nothing)
         for name in systems:
             key = name if name != "ddp" or "ddp" not in res["median_ms"] else "ddp_beside_deepspeed"
             res["median_ms"][key] = part["median_ms"][name]

@@ -241,16 +241,16 @@ class Gathers:
         groups: dict[Unit, tuple[Unit, ...]] = {}
         if self.coalesces(self.strategy(which)):
             run: list[Unit] = []
+            rows = 0
             for unit in dict.fromkeys(order):  # a unit used twice is grouped where it came first
-                if unit not in self._small:
-                    groups.update((u, tuple(run)) for u in run)
-                    run = []
-                    continue
-                if run and (sum(u.row.numel for u in run) + unit.row.numel > self._group_rows or
+                small = unit in self._small
+                if run and (not small or rows + unit.row.numel > self._group_rows or
                             (unit.compute_dtype, unit.device) != (run[0].compute_dtype, run[0].device)):
                     groups.update((u, tuple(run)) for u in run)
-                    run = []
-                run.append(unit)
+                    run, rows = [], 0
+                if small:
+                    run.append(unit)
+                    rows += unit.row.numel
             groups.update((u, tuple(run)) for u in run)
         self.groups[which] = groups
 
