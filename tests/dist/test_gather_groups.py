@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import pytest
 import torch
 from torch import nn
 
@@ -76,16 +77,19 @@ WIDTHS = (2, 3, 4, 5, 6, 7, 8, 9)  # every block's units of another size, all sm
 
 
 class Ladder(nn.Module):
-    """Residual blocks of different widths; ``swap`` runs blocks 1 and 5 in each other's place."""
+    """Residual blocks of different widths; ``swap`` runs blocks 1 and 5 in each other's place, ``skip`` leaves
+    block 3 out; ``frozen``: block 3 trains nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, frozen: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 16)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, w), nn.ReLU(), nn.Linear(w, 16)) for w in WIDTHS)
         self.head = nn.Linear(16, 1)
+        if frozen:
+            self.blocks[3].requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, swap: bool = False) -> torch.Tensor:
-        order = list(range(len(self.blocks)))
+    def forward(self, x: torch.Tensor, swap: bool = False, skip: bool = False) -> torch.Tensor:
+        order = [i for i in range(len(self.blocks)) if not (skip and i == 3)]
         if swap:
             order[1], order[5] = order[5], order[1]
         h = self.inp(x)
@@ -94,19 +98,25 @@ class Ladder(nn.Module):
         return self.head(h).pow(2).mean()
 
 
-def train_ladder(rank: int, grouped: bool, swap_on: Optional[int]) -> dict:
+def skips_frozen(rank: int, step: int) -> bool:
+    """Rank 1 leaves the frozen block out on steps 1 and 2 (a layer drop of its own): legal, since the block
+    has no gradient to reduce, and the ranks' gathers stay paired (each group is gathered whole)."""
+    return rank == 1 and step in (1, 2)
+
+
+def train_ladder(rank: int, grouped: bool, swap_on: Optional[int], frozen: bool = False) -> dict:
     """Stage 3 on the ladder, groups of at most 600 elements (several groups); rank 1 swaps two blocks of
-    different groups at step ``swap_on``."""
+    different groups at step ``swap_on``; ``frozen``: block 3 is frozen and rank 1 skips it (``skips_frozen``)."""
     torch.manual_seed(0)
     zero = {"stage": 3, "stage3_prefetch_bucket_size": 600, "zeropp_coalesced_prefetch": grouped}
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": zero}
-    engine, *_ = zeropp.initialize(model=Ladder(), config=cfg)
+    engine, *_ = zeropp.initialize(model=Ladder(frozen), config=cfg)
     losses, error, changed, gathers = [], None, None, []
     for step in range(STEPS):
         before = engine.consolidated_state_dict()
         x = torch.randn(2, 8, generator=torch.Generator().manual_seed(100 * step + rank))
-        loss = engine(x, swap=rank == 1 and step == swap_on)
+        loss = engine(x, swap=rank == 1 and step == swap_on, skip=frozen and skips_frozen(rank, step))
         engine.backward(loss)
         try:
             engine.step()
@@ -127,6 +137,25 @@ def worker(rank: int, world: int) -> dict:
     out["ladder", True] = train_ladder(rank, True, None)
     out["ladder", False] = train_ladder(rank, False, None)
     out["ladder_swapped"] = train_ladder(rank, True, 2)
+    out["ladder_skips_frozen"] = train_ladder(rank, True, None, frozen=True)
+    return out
+
+
+def ladder_reference(world: int) -> list[list[float]]:
+    """One process: each rank's losses on the frozen ladder with rank 1's skips, SGD on the ranks' mean
+    gradient."""
+    torch.manual_seed(0)
+    model = Ladder(frozen=True)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    out: list[list[float]] = [[] for _ in range(world)]
+    for step in range(STEPS):
+        opt.zero_grad()
+        for rank in range(world):
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = model(x, skip=skips_frozen(rank, step))
+            (loss / world).backward()
+            out[rank].append(float(loss.detach()))
+        opt.step()
     return out
 
 
@@ -179,6 +208,17 @@ def test_ranks_that_run_small_blocks_in_different_orders_are_refused_by_name():
         assert swapped["error"] is not None and swapped["error"][0] == 2
         assert "same modules" in swapped["error"][1]
         assert swapped["changed"] == []
+
+
+def test_a_rank_that_skips_a_frozen_block_trains_on():
+    # the groups are formed from gathers the order check found the same on every rank, so a rank that left a
+    # unit out still gathers it with its group: the ranks' collectives stay paired in the steps after (formed
+    # from each rank's own order, rank 1's groups lacked the block and the next step hung)
+    ref = ladder_reference(2)
+    for rank, res in enumerate(results()):
+        run = res["ladder_skips_frozen"]
+        assert run["error"] is None
+        assert run["losses"] == pytest.approx(ref[rank], rel=1e-5, abs=1e-7)
 
 
 def warns_where_nothing_groups(rank: int, world: int) -> dict[str, list[str]]:

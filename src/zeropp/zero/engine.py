@@ -348,7 +348,7 @@ class ZeroEngine(nn.Module):
         with self.timer.span("forward"):  # the engine's own work is in a span: untracked is the caller's
             if self.casts_inputs:
                 args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-            self.gathers.passes[Pass.FORWARD] = []
+            self.gathers.begin(Pass.FORWARD)
             run = self.module if self._compiled_call is None else self._compiled_call
             compiled = self.is_compiled
             learning = compiled and self.global_steps == 0  # Note [compiled regions]: the first step runs eagerly
@@ -394,7 +394,7 @@ class ZeroEngine(nn.Module):
                 self._restart_pending = False
             self._backward_open = True
             self.grads.begin_backward()
-            self.gathers.passes[Pass.BACKWARD] = []
+            self.gathers.begin(Pass.BACKWARD)
             watch = self._watch() if self.use is not None else contextlib.nullcontext()
             if self.use is not None and self._quiet:  # a compiled graph reads the weights it saved hook-free
                 for unit in self.use.spans:
@@ -477,7 +477,9 @@ class ZeroEngine(nn.Module):
             self.grads.reduce_whole(self.units)
         if delayed:
             self.join_update()  # the previous step's update becomes the next forward's weights
-        self.stepper.step(background=delayed, schedule=schedule)
+        self.stepper.step(background=delayed, schedule=schedule)  # raises if the ranks' collectives differed
+        if self.plan.shards_weights:
+            self.gathers.regroup()  # from gathers the step's check found the same on every rank
         self.grads.close_window()
         self._restart_pending = False  # the step cleared the gradients
 

@@ -58,6 +58,7 @@ class Pass(enum.Enum):
 
 
 _LEDGER_PHASE = {Pass.FORWARD: Phase.FORWARD_GATHER, Pass.BACKWARD: Phase.BACKWARD_GATHER}
+_NOTE_KIND = {Pass.FORWARD: GATHER_FORWARD, Pass.BACKWARD: GATHER_BACKWARD}  # Note [collective order]
 
 
 class Gathers:
@@ -77,16 +78,22 @@ class Gathers:
         self.last_order: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}
         self.uploads: dict[Unit, Transfer] = {}  # 16-bit shards on their way up after a step
         self.held_whole = False  # every unit gathered and kept (engine.held_whole): release nothing
-        # Note [gather groups] in zero/memory.py: each pass's groups of small units, formed from its last order
+        # Note [gather groups] in zero/memory.py: each pass's groups of small units, formed at each optimizer step
         self.coalesce = coalesce and gathered_weights.prefetch_bucket > 0
         self.groups: dict[Pass, dict[Unit, tuple[Unit, ...]]] = {Pass.FORWARD: {}, Pass.BACKWARD: {}}
-        self.issued: dict[Pass, set[Unit]] = {Pass.FORWARD: set(), Pass.BACKWARD: set()}  # gathers started
+        self.issued: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}  # this pass's gathers, in order
+        self._issued_set: dict[Pass, set[Unit]] = {Pass.FORWARD: set(), Pass.BACKWARD: set()}
+        self.last_issued: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}  # the last pass's
         cap = min(GROUP_ELEMENTS, gathered_weights.prefetch_bucket)
         world = next((unit_elements(u) // u.row.numel for u in units if u.row.numel), 1)  # the units' partition
         self._group_rows = cap // world  # a group's rows: this rank's part of at most ``cap`` elements
         self._small = frozenset(u for u in units if 0 < u.row.numel <= self._group_rows and u not in kept)
         # every collective of small units is this long (Note [gather groups]: same sizes on every rank)
         self._pad_rows = min(self._group_rows, sum(u.row.numel for u in self._small))
+
+    def begin(self, which: Pass) -> None:
+        """A forward or backward starts: its order and the gathers it has taken are its own."""
+        self.passes[which], self.issued[which], self._issued_set[which] = [], [], set()
 
     def gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
@@ -110,8 +117,9 @@ class Gathers:
         if not self.residency.shard_in(unit, optional=optional):
             return False
         self.await_upload(unit)
-        self.collectives.note(GATHER_FORWARD if which is Pass.FORWARD else GATHER_BACKWARD, unit.index)
-        self.issued[which].add(unit)
+        self.collectives.note(_NOTE_KIND[which], unit.index)
+        self.issued[which].append(unit)
+        self._issued_set[which].add(unit)
         return True
 
     def coalesces(self, strategy: GatherStrategy) -> bool:
@@ -160,7 +168,7 @@ class Gathers:
         self.kept.gathered(unit)
 
     def _demand(self, unit: Unit, which: Pass) -> PendingGather:
-        """Start the gather of ``unit``, needed now: with its group's next members (Note [gather groups])."""
+        """Start the gather of ``unit``, needed now: with its group's other members (Note [gather groups])."""
         batch = self._group_from(unit, which)
         if batch is None:
             pending = self._start(unit, which)
@@ -219,7 +227,7 @@ class Gathers:
         if not groups or unit not in self._small:
             return None
         group = groups.get(unit)
-        issued = self.issued[which]
+        issued = self._issued_set[which]
         if group is None or unit in issued:
             return [unit]
         # every member not taken yet, those before ``unit`` too: ranks that run a group's units in another
@@ -235,9 +243,15 @@ class Gathers:
             batch.append(u)
         return batch
 
+    def regroup(self) -> None:
+        """After an optimizer step whose collective order check passed: each pass's groups from the gathers its
+        last run issued, which the check has just found the same on every rank (Note [gather groups])."""
+        for which in Pass:
+            self._form_groups(which, self.last_issued[which])
+
     def _form_groups(self, which: Pass, order: list[Unit]) -> None:
-        """The next pass's groups: runs of distinct small units in ``order`` (this pass's), each of at most the
-        group's rows and of one dtype and device (Note [gather groups])."""
+        """``which``'s groups: runs of distinct small units in ``order``, each of at most the group's rows and of
+        one dtype and device (Note [gather groups])."""
         groups: dict[Unit, tuple[Unit, ...]] = {}
         if self.coalesces(self.strategy(which)):
             run: list[Unit] = []
@@ -310,6 +324,9 @@ class Gathers:
         self.inflight.clear()
         for unit in self.units:  # shards read ahead that no gather used (another path, or already gathered)
             self.residency.shard_done(unit)
-        self._form_groups(which, self.passes[which])
-        self.issued[which] = set()
-        self.last_order[which], self.passes[which] = self.passes[which], []
+        if self.issued[which]:  # (a pass on weights held whole, a generation's, issues none and changes nothing)
+            # its end, in the check's digest: the gathers regroup() reads are then the same pass's on every rank
+            self.collectives.note_end(_NOTE_KIND[which])
+            self.last_issued[which] = self.issued[which]
+        self.last_order[which] = self.passes[which]
+        self.begin(which)

@@ -277,23 +277,25 @@ GATHERS_IN_FLIGHT = 2  # the gather being finished and one prefetch (ZeroEngine.
 # Note [gather groups] (``zeropp_coalesced_prefetch``, on by default): over one hop, small units (at most
 # GROUP_ELEMENTS gathered, not persistent) are gathered in groups, one collective per group, instead of one each:
 # a model of many small units (thin blocks, LoRA adapters in units of their own, stray norms) pays one
-# collective's latency per group. A pass's groups are runs of distinct small units in the order the same pass
-# ran last time (so the first pass of each kind forms none), each of at most GROUP_ELEMENTS together (and
-# stage3_prefetch_bucket_size); a group is gathered when its first unit is needed or prefetched, taking the members
-# from that unit on that no gather of the pass has taken yet (and that ZeRO-R's bounds admit). Each unit still
-# lands (is copied into its weights) when it is used; buffers stay bounded by GROUP_ELEMENTS, never by the number
-# of units. On the launch-bound model (48 blocks of 8,448 elements, 2 ranks over loopback) a step's gathers went
-# from 102 collectives to 2 (comm/gather.py's ``AllGather.start_many``). Units over GROUP_ELEMENTS are gathered
-# one at a time as before, so models of large blocks see no change. A two-hop route, qwZ and hpZ gather one
-# unit at a time.
-# Ranks that run different modules must still fail by name, not by a signal: gloo aborts the process when a
-# collective brings more bytes than the rank expected. So every collective of small units, a group or a small
-# unit alone (gathered again, or in no group), is zero-padded to one length fixed at initialize (the smaller of
+# collective's latency per group. A group is gathered whole when its first unit is needed or prefetched (the
+# members no gather of the pass has taken yet, that ZeRO-R's bounds admit); each unit still lands (is copied into
+# its weights) when it is used, and buffers stay bounded by GROUP_ELEMENTS, never by the number of units. Units
+# over GROUP_ELEMENTS are gathered one at a time as before, so models of large blocks see no change; a two-hop
+# route, qwZ and hpZ gather one unit at a time. On the launch-bound model (48 blocks of 8,448 elements, 2 ranks
+# over loopback) a step's gathers went from 102 collectives to 2 (comm/gather.py's ``AllGather.start_many``).
+# Every rank must issue the same collectives, so every rank must hold the same groups. They are formed after each
+# optimizer step (``Gathers.regroup``) from the gathers the last forward and the last backward issued: runs of
+# distinct small units, at most GROUP_ELEMENTS (and stage3_prefetch_bucket_size) together. The step's collective
+# order check has just found those gathers, and where each pass ended, the same on every rank (Note [collective
+# order]); a rank's own order of use would not do: a rank that left a frozen block out (a layer drop of its own)
+# would form other groups, and its next step's collectives would no longer pair. Until the first step there are
+# no groups. A rank that skips a unit gathers it all the same with its group and drains it unused.
+# Ranks that run different modules must fail by name, not by a signal: gloo aborts the process when a collective
+# brings more bytes than the rank expected. So every collective of small units, a group or a small unit alone
+# (gathered again, or in no group), is zero-padded to one length fixed at initialize (the smaller of
 # GROUP_ELEMENTS and all small units together, in rows): two ranks that gather different small units issue
-# collectives of the same size, and the collective order check refuses the step by name (Note [collective
-# order]). Ranks that skip different units of one group issue the same collectives and diverge only in their
-# gradients, which the same check refuses. Padding costs bytes, not collectives: every group but a pass's last
-# is nearly full, and the whole launch-bound model is one group.
+# collectives of the same size, and the order check refuses the step by name. Padding costs bytes, not
+# collectives: every group but a pass's last is nearly full, and the whole launch-bound model is one group.
 GROUP_ELEMENTS = 1 << 20
 _BUFFER_SOURCES: dict[str, Callable[[], dict[str, int]]] = {}
 

@@ -48,6 +48,12 @@ class CollectiveOrder:
             digests[:] = [(d * _BASE + value + 1) % p for d, p in zip(digests, _PRIMES)]
         self.noted += 1
 
+    def note_end(self, kind: int) -> None:
+        """The end of a pass that issued collectives of ``kind``: where passes end is checked too (a marker that
+        no unit's index folds to), without counting as a collective."""
+        digests = self._digests.setdefault(kind, [1, 1])
+        digests[:] = [(d * _BASE) % p for d, p in zip(digests, _PRIMES)]
+
     def payload(self) -> list[float]:
         """``d1, d1**2, d2, d2**2`` of the digests of all kinds folded together."""
         folded = [1, 1]
