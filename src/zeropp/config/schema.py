@@ -267,7 +267,8 @@ class ZeroConfig(Section):
                                            "next unit, one at a time); 0 turns prefetching off.")
     zeropp_coalesced_prefetch: DSBool = F(True, doc="Our extension (Note [gather groups]): over one hop, small "
                                           "units (at most 2^20 elements) are gathered in groups, one all-gather "
-                                          "each, in the order the last pass ran them: one collective's latency "
+                                          "each, in the order the last passes gathered them (formed at each "
+                                          "optimizer step): one collective's latency "
                                           "per group of thin blocks or LoRA adapters instead of per unit. Every "
                                           "such collective is padded to one length, so ranks that run different "
                                           "modules are refused by the collective order check, not aborted by "
