@@ -218,13 +218,13 @@ class AllGather:
         arrival = self.route.start(unit.shard_row(), self.pools["out"], self.pools["hop1"], phase)
         return GatheredRows(arrival, unit.row, self.pools["out"])
 
-    def start_many(self, units: list[Unit], phase: Phase, pad_rows: int = 0) -> list[BatchMember]:
+    def start_many(self, units: list[Unit], phase: Phase, pad_to: int = 0) -> list[BatchMember]:
         """One all-gather of the rows of ``units`` (same dtype and device) laid end to end, zero-padded to
-        ``pad_rows`` (Note [gather groups]: every collective of small units is that long); a pending gather per
-        unit, each finished and recycled on its own."""
+        ``pad_to`` gathered elements (Note [gather groups]: every collective of small units is that long); a
+        pending gather per unit, each finished and recycled on its own."""
         rows = [u.shard_row() for u in units]
         total = sum(r.numel() for r in rows)
-        send = self.pools["send"].take(max(total, pad_rows), rows[0].dtype, rows[0].device)
+        send = self.pools["send"].take(max(total, pad_to // self.route.size), rows[0].dtype, rows[0].device)
         torch.cat(rows, out=send[:total])
         send[total:].zero_()
         batch = _Batch(self.route.start(send, self.pools["out"], self.pools["hop1"], phase), self.pools["out"],

@@ -64,7 +64,7 @@ _WHERE = {"engine": "engine.{}", "optimizer": "ZeRO optimizer attribute {!r}"}
 
 def is_missing(where: str, name: str) -> bool:
     """Whether ``name`` is a DeepSpeed name under ``where`` (a key of :data:`MISSING`) that zeropp lacks."""
-    return name in MISSING.get(where, ())
+    return name in MISSING[where]
 
 
 def module_getattr(where: str, module: str = "") -> Callable[[str], Any]:

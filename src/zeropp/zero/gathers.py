@@ -81,19 +81,17 @@ class Gathers:
         # Note [gather groups] in zero/memory.py: each pass's groups of small units, formed at each optimizer step
         self.coalesce = coalesce and gathered_weights.prefetch_bucket > 0
         self.groups: dict[Pass, dict[Unit, tuple[Unit, ...]]] = {Pass.FORWARD: {}, Pass.BACKWARD: {}}
-        self.issued: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}  # this pass's gathers, in order
-        self._issued_set: dict[Pass, set[Unit]] = {Pass.FORWARD: set(), Pass.BACKWARD: set()}
+        # this pass's gathers in the order issued (a dict: ordered, and asked for membership on every gather)
+        self.issued: dict[Pass, dict[Unit, None]] = {Pass.FORWARD: {}, Pass.BACKWARD: {}}
         self.last_issued: dict[Pass, list[Unit]] = {Pass.FORWARD: [], Pass.BACKWARD: []}  # the last pass's
-        cap = min(GROUP_ELEMENTS, gathered_weights.prefetch_bucket)
-        world = next((unit_elements(u) // u.row.numel for u in units if u.row.numel), 1)  # the units' partition
-        self._group_rows = cap // world  # a group's rows: this rank's part of at most ``cap`` elements
-        self._small = frozenset(u for u in units if 0 < u.row.numel <= self._group_rows and u not in kept)
+        self._cap = min(GROUP_ELEMENTS, gathered_weights.prefetch_bucket)  # a group's gathered elements, at most
+        self._small = frozenset(u for u in units if 0 < unit_elements(u) <= self._cap and u not in kept)
         # every collective of small units is this long (Note [gather groups]: same sizes on every rank)
-        self._pad_rows = min(self._group_rows, sum(u.row.numel for u in self._small))
+        self._pad = min(self._cap, sum(unit_elements(u) for u in self._small))
 
     def begin(self, which: Pass) -> None:
         """A forward or backward starts: its order and the gathers it has taken are its own."""
-        self.passes[which], self.issued[which], self._issued_set[which] = [], [], set()
+        self.passes[which], self.issued[which] = [], {}
 
     def gather_resident(self, phase: Phase) -> None:
         """Stages 0-2: (re)build every full weight from the shards, after construction and each step."""
@@ -118,8 +116,7 @@ class Gathers:
             return False
         self.await_upload(unit)
         self.collectives.note(_NOTE_KIND[which], unit.index)
-        self.issued[which].append(unit)
-        self._issued_set[which].add(unit)
+        self.issued[which][unit] = None
         return True
 
     def coalesces(self, strategy: GatherStrategy) -> bool:
@@ -227,7 +224,7 @@ class Gathers:
         if not groups or unit not in self._small:
             return None
         group = groups.get(unit)
-        issued = self._issued_set[which]
+        issued = self.issued[which]
         if group is None or unit in issued:
             return [unit]
         # every member not taken yet, those before ``unit`` too: ranks that run a group's units in another
@@ -235,7 +232,7 @@ class Gathers:
         batch, total = [], unit_elements(unit)
         for u in group:
             if u is not unit:
-                if u.state is not UnitState.SHARDED or u in issued or u in gathering:
+                if u.state is not UnitState.SHARDED or u in issued:  # (``gathering`` are issued)
                     continue
                 if not self.gathered_weights.admits_elements(total + unit_elements(u), *gathering):
                     continue
@@ -250,21 +247,21 @@ class Gathers:
             self._form_groups(which, self.last_issued[which])
 
     def _form_groups(self, which: Pass, order: list[Unit]) -> None:
-        """``which``'s groups: runs of distinct small units in ``order``, each of at most the group's rows and of
-        one dtype and device (Note [gather groups])."""
+        """``which``'s groups: runs of distinct small units in ``order``, each of at most the group's elements and
+        of one dtype and device (Note [gather groups])."""
         groups: dict[Unit, tuple[Unit, ...]] = {}
         if self.coalesces(self.strategy(which)):
             run: list[Unit] = []
-            rows = 0
+            elements = 0
             for unit in dict.fromkeys(order):  # a unit used twice is grouped where it came first
                 small = unit in self._small
-                if run and (not small or rows + unit.row.numel > self._group_rows or
+                if run and (not small or elements + unit_elements(unit) > self._cap or
                             (unit.compute_dtype, unit.device) != (run[0].compute_dtype, run[0].device)):
                     groups.update((u, tuple(run)) for u in run)
-                    run, rows = [], 0
+                    run, elements = [], 0
                 if small:
                     run.append(unit)
-                    rows += unit.row.numel
+                    elements += unit_elements(unit)
             groups.update((u, tuple(run)) for u in run)
         self.groups[which] = groups
 
@@ -274,7 +271,7 @@ class Gathers:
             self._prepare(unit, which)
         strategy = self.strategy(which)
         for unit, pending in zip(units, strategy.start_many(units, _LEDGER_PHASE[which],  # type: ignore
-                                                            pad_rows=self._pad_rows)):
+                                                            pad_to=self._pad)):
             self.inflight[unit] = pending
 
     @_outside_inference_mode
@@ -327,6 +324,6 @@ class Gathers:
         if self.issued[which]:  # (a pass on weights held whole, a generation's, issues none and changes nothing)
             # its end, in the check's digest: the gathers regroup() reads are then the same pass's on every rank
             self.collectives.note_end(_NOTE_KIND[which])
-            self.last_issued[which] = self.issued[which]
+            self.last_issued[which] = list(self.issued[which])
         self.last_order[which] = self.passes[which]
         self.begin(which)

@@ -50,15 +50,14 @@ class _Watcher(Protocol):
 
 
 _LOCK = threading.Lock()
-_WATCHERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
-# what every torch call reads: references to the watchers, remade when one comes or goes (iterating the WeakSet
-# itself on every call took about 1.5% of a launch-bound step); a watcher collected unwatched reads as None
-_SNAPSHOT: tuple["weakref.ref[Any]", ...] = ()
+# the watchers, weakly: a tuple remade when one comes or goes, because every torch call reads it (iterating a
+# WeakSet on every call took about 1.5% of a launch-bound step); a watcher collected unwatched reads as None
+_WATCHERS: tuple["weakref.ref[Any]", ...] = ()
 
 
-def _snapshot() -> None:
-    global _SNAPSHOT
-    _SNAPSHOT = tuple(weakref.ref(w) for w in _WATCHERS)
+def _live_except(watcher: Any) -> tuple["weakref.ref[Any]", ...]:
+    """The references to watchers still alive, ``watcher``'s left out (call with ``_LOCK`` held)."""
+    return tuple(ref for ref in _WATCHERS if ref() is not None and ref() is not watcher)
 
 
 class _IdleMode(TorchFunctionMode):
@@ -66,7 +65,7 @@ class _IdleMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # code compiled outside the engine: traced as a plain call, no guards
             return func(*args, **kwargs)   # on the watchers (Note [compiled regions] in compiled.py)
-        for ref in _SNAPSHOT:
+        for ref in _WATCHERS:
             watcher = ref()
             if watcher is not None:
                 watcher.check_idle(func, args, kwargs)
@@ -153,9 +152,9 @@ def _restack(modes: list[Any]) -> None:
 def watch(watcher: _Watcher) -> None:
     """Check ``watcher``'s parameters on every torch call of this thread from now on (outside its passes:
     ``watcher.check_idle`` decides); installs the bottom mode if this thread has none."""
+    global _WATCHERS
     with _LOCK:
-        _WATCHERS.add(watcher)
-        _snapshot()
+        _WATCHERS = (*_live_except(watcher), weakref.ref(watcher))
     mode = getattr(_MODE, "mode", None)
     stack = _stack()
     if mode is not None and any(m is mode for m in stack):
@@ -166,9 +165,9 @@ def watch(watcher: _Watcher) -> None:
 
 def unwatch(watcher: _Watcher) -> None:
     """Stop checking ``watcher``; with no watcher left, take this thread's mode off the stack."""
+    global _WATCHERS
     with _LOCK:
-        _WATCHERS.discard(watcher)
-        _snapshot()
+        _WATCHERS = _live_except(watcher)
         left = len(_WATCHERS)
     mode = getattr(_MODE, "mode", None)
     if left or mode is None:

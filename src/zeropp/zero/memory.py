@@ -145,13 +145,14 @@ class ActivationMeter:
 
         def pack(t: torch.Tensor) -> tuple[Any, Optional[_Token]]:
             # every saved tensor passes here: one storage read with the modes off, the token only for activations
+            token = None
             with _NO_MODES():
                 try:
                     storage = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested)
-                    return outer_pack(t), None
-                key = storage._cdata
-                token = None if key in excluded or t.is_meta else _Token(meters, key, storage.nbytes(), DEVICE)
+                    storage = None
+                if storage is not None and storage._cdata not in excluded and not t.is_meta:
+                    token = _Token(meters, storage._cdata, storage.nbytes(), DEVICE)
             return outer_pack(t), token
 
         def unpack(held: tuple[Any, Optional[_Token]]) -> torch.Tensor:
@@ -293,7 +294,7 @@ GATHERS_IN_FLIGHT = 2  # the gather being finished and one prefetch (ZeroEngine.
 # Ranks that run different modules must fail by name, not by a signal: gloo aborts the process when a collective
 # brings more bytes than the rank expected. So every collective of small units, a group or a small unit alone
 # (gathered again, or in no group), is zero-padded to one length fixed at initialize (the smaller of
-# GROUP_ELEMENTS and all small units together, in rows): two ranks that gather different small units issue
+# GROUP_ELEMENTS and all small units together, gathered): two ranks that gather different small units issue
 # collectives of the same size, and the order check refuses the step by name. Padding costs bytes, not
 # collectives: every group but a pass's last is nearly full, and the whole launch-bound model is one group.
 GROUP_ELEMENTS = 1 << 20

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeropp.deepspeed.missing import DeepSpeedAPIError, module_getattr
+from zeropp.deepspeed.missing import DeepSpeedAPIError
 
 __all__ = ["BF16_Optimizer"]
 
@@ -23,6 +23,3 @@ class BF16_Optimizer:  # noqa: N801 - DeepSpeed's name
 
     def destroy(self) -> None:
         """DeepSpeed's clean-up hook (scripts patch it); there is never an instance to clean up."""
-
-
-__getattr__ = module_getattr("deepspeed.runtime.bf16_optimizer")

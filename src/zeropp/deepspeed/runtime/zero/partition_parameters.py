@@ -43,8 +43,3 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: Option
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
            "ZeroParamStatus", "partitioned_param_data_shape", "zero_wrapper_for_fp_tensor_constructor"]
-
-
-from zeropp.deepspeed.missing import module_getattr  # noqa: E402 - after the names it stands beside
-
-__getattr__ = module_getattr("deepspeed.runtime.zero.partition_parameters")
