@@ -91,12 +91,12 @@ def qgz_volume(numels: Sequence[int], layout: Layout, rank: int, bits: int, bloc
     return Volume(intra_node_bytes=(d - 1) * n * row, inter_node_bytes=(n - 1) * row)
 
 
-NORM_VALUES = 5  # the squared norm and the four collective-order digests (Note [collective order])
+NORM_VALUES = 13  # the squared norm and three groups of four collective-order values (Note [collective order])
 
 
 def grad_norm_volume(layout: Layout, rank: int) -> Volume:
-    """The global-norm all-reduce of five float64 (the squared norm and the collective-order digests), counted
-    as a ring all-reduce (see ``comm/ops.py``)."""
+    """The global-norm all-reduce of thirteen float64 (the squared norm and the collective-order digests),
+    counted as a ring all-reduce (see ``comm/ops.py``)."""
     return _per_peer(2 * 8 * NORM_VALUES // layout.world_size, _peers(layout, rank, range(layout.world_size)))
 
 

@@ -1,12 +1,18 @@
-"""Ranks that diverge at random never end in a signal or a hang with gather groups (Note [gather groups]).
+"""Ranks that diverge at random never end in a signal or a hang: at stage 3 with gather groups (Note [gather
+groups]), at stage 2 with gradients reduced by place (Note [positional buckets]); and what they train on is right.
 
 Each case builds residual blocks of random small widths, some frozen, and from step 2 on rank 1 swaps two blocks,
-shuffles them all, or leaves a frozen block out. Every rank must end each step the same way: the step trains on
-(a divergence that pairs every collective, such as a frozen block left out), or the collective order check
-refuses it by name. One unit at a time (``zeropp_coalesced_prefetch: false``) the same 24 cases all ended in a
-signal (gloo's SIGABRT in its size check, once a SIGSEGV), which is why no case runs that way here.
+shuffles them all, or leaves a frozen block out; at stage 2 it may also leave out any block. Every rank must end
+each step the same way: the step trains on (a divergence that pairs every collective), or the collective order
+check refuses it by name. Every step trained on must give the losses of one process that runs each rank's order
+and steps on the mean of their gradients. At stage 2 every case trains on.
 
-Twelve seeds at two group sizes (about 20 seconds on 2 cores), and one seed of each kind with its outcome.
+Measured before: at stage 3 one unit at a time (``zeropp_coalesced_prefetch: false``) the 24 stage 3 cases all
+ended in a signal (gloo's SIGABRT in its size check, once a SIGSEGV), which is why no case runs that way here; at
+stage 2 with buckets filled in arrival order, a trainable block left out on one rank ended in SIGABRT.
+
+Twelve seeds at two group sizes for stage 3 and twelve for stage 2 (about 30 seconds on 2 cores), and one seed
+of each kind with its outcome.
 """
 from __future__ import annotations
 
@@ -48,31 +54,56 @@ def case(seed: int) -> tuple[list[int], list[int]]:
     return widths, [i for i in range(n) if rnd.random() < 0.4]
 
 
-def order_of(seed: int, step: int, rank: int, n: int, frozen: list[int]) -> list[int]:
+def order_of(seed: int, step: int, rank: int, n: int, frozen: list[int], stage: int) -> list[int]:
     order = list(range(n))
     r = random.Random(seed * 1000 + step * 10 + rank)
     if step >= 2 and rank == 1 and r.random() < 0.7:
-        kind = r.choice(["swap", "skip_frozen", "shuffle"])
+        # (stage 3 refuses a trainable block left out, and ends in gloo's SIGABRT where the sizes differ)
+        kind = r.choice(["swap", "skip_frozen", "shuffle"] + (["skip"] if stage < 3 else []))
         if kind == "swap":
             i, j = r.sample(range(n), 2)
             order[i], order[j] = order[j], order[i]
         elif kind == "skip_frozen" and frozen:
             order.remove(r.choice(frozen))
+        elif kind == "skip":
+            order.remove(r.choice(order))
         else:
             r.shuffle(order)
     return order
 
 
-def train(rank: int, world: int, seed: int, bucket: int) -> list[str]:
+def data(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(2, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def reference(seed: int, stage: int, world: int = 2) -> list[list[float]]:
+    """One process: each rank's loss per step, SGD on the mean of the ranks' gradients."""
+    widths, frozen = case(seed)
+    torch.manual_seed(0)
+    model = Blocks(widths, frozen)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    out: list[list[float]] = [[] for _ in range(world)]
+    for step in range(STEPS):
+        opt.zero_grad()
+        for rank in range(world):
+            loss = model(data(step, rank), order_of(seed, step, rank, len(widths), frozen, stage))
+            (loss / world).backward()
+            out[rank].append(float(loss.detach()))
+        opt.step()
+    return out
+
+
+def train(rank: int, world: int, seed: int, bucket: int, stage: int) -> tuple[list[str], list[float]]:
     widths, frozen = case(seed)
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
-           "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": bucket}}
+           "zero_optimization": {"stage": stage, "stage3_prefetch_bucket_size": bucket}}
+    if stage < 3:  # several reduce buckets a step, so that places matter
+        cfg["zero_optimization"]["reduce_bucket_size"] = bucket
     engine, *_ = zeropp.initialize(model=Blocks(widths, frozen), config=cfg)
-    out = []
+    out, losses = [], []
     for step in range(STEPS):
-        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(100 * step + rank))
-        loss = engine(x, order_of(seed, step, rank, len(widths), frozen))
+        loss = engine(data(step, rank), order_of(seed, step, rank, len(widths), frozen, stage))
         engine.backward(loss)
         try:
             engine.step()
@@ -81,14 +112,18 @@ def train(rank: int, world: int, seed: int, bucket: int) -> list[str]:
             out.append("refused")
             break
         out.append("trained")
+        losses.append(float(loss.detach()))
     engine.close()
-    return out
+    return out, losses
 
 
-def _check(seed: int, bucket: int) -> list[str]:
-    outcomes = run_world(functools.partial(train, seed=seed, bucket=bucket), 2, timeout=120)
-    assert outcomes[0] == outcomes[1], outcomes  # every rank ends each step the same way
-    return outcomes[0]
+def _check(seed: int, bucket: int, stage: int = 3) -> list[str]:
+    results = run_world(functools.partial(train, seed=seed, bucket=bucket, stage=stage), 2, timeout=120)
+    assert results[0][0] == results[1][0], results  # every rank ends each step the same way
+    ref = reference(seed, stage)
+    for rank, (_, losses) in enumerate(results):  # and what it trained on is right
+        assert losses == pytest.approx(ref[rank][: len(losses)], rel=1e-5, abs=1e-7), (rank, losses, ref[rank])
+    return results[0][0]
 
 
 REFUSED_AT_2 = ["trained", "trained", "refused"]
@@ -109,3 +144,9 @@ def test_a_divergent_rank_is_refused_by_name_or_trains_on(seed: int, bucket: int
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_every_rank_ends_each_step_the_same_way(seed: int, bucket: int) -> None:
     assert _check(seed, bucket)[:2] == ["trained", "trained"]  # the ranks agree until rank 1 diverges at step 2
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stage_2_trains_every_divergence_right(seed: int) -> None:
+    """Stage 2 reduces gradients by place."""
+    assert _check(seed, 300, stage=2) == TRAINS_ON

@@ -220,8 +220,9 @@ def test_qgz_volume_one_node_and_one_rank_per_node() -> None:
 
 
 def test_grad_norm_volume_hand() -> None:
-    # ring all-reduce of one float64 over 4: 2 * 8 // 4 = 4 B per peer
-    assert accounting.grad_norm_volume(L22, 0) == Volume(20, 40)  # 5 float64: the norm and the order digests
+    # ring all-reduce of one float64 over 4: 2 * 8 // 4 = 4 B per peer; 13 float64 (the norm and three groups of
+    # four order values): 52 B per peer, one peer on this node and two on the other
+    assert accounting.grad_norm_volume(L22, 0) == Volume(52, 104)
 
 
 def test_model_state_bytes_hand() -> None:

@@ -73,6 +73,13 @@ class BufferPool:
             if slab.numel() == self._size[(slab.dtype, slab.device)]:
                 self._free.append(slab)
 
+    def trim(self, keep: int) -> None:
+        """Drop free slabs until the pool owns at most ``keep`` (leased ones stay): after a step that held more
+        than its usual number at once, so that a one-off peak is not kept for the rest of the run."""
+        with self._lock:
+            drop = max(0, len(self._free) + len(self._leased) - keep)
+            self._free = self._free[drop:]
+
     def nbytes(self) -> int:
         """Bytes of every slab the pool owns, free or leased."""
         with self._lock:

@@ -177,7 +177,7 @@ class ZeroEngine(nn.Module):
             optimizer, make_scheduler(optimizer), stepped=self._stepped, policy=self.policy, plan=self.plan,
             topo=self.topo, comm=self.comm, order=self.order, residency=self.residency, link=self.link,
             timer=self.timer, copy_back=self.gathers.copy_back, gather_resident=self.gathers.gather_resident,
-            step_number=lambda: self.global_steps)
+            step_number=lambda: self.global_steps, grads=self.grads)
         self.residency.attach(optimizer, self.stepper.optimized)
 
     def _init_step_state(self) -> None:
@@ -329,8 +329,7 @@ class ZeroEngine(nn.Module):
                 t.register_hook(on_output_grad)
 
     def _make_grad_hook(self, unit: Unit, slot_index: int, whole: bool) -> Callable:
-        """``whole``: the unit is a leaf module's, whose gradients are bucketed together (Note [partly used
-        units]); other units hand each gradient to the buckets as it arrives."""
+        """``whole``: the unit is a leaf module's (Note [partly used units])."""
         @unwatched
         def hook(param: nn.Parameter) -> None:
             grad, param.grad = param.grad, None

@@ -1,6 +1,23 @@
-"""The gradient intake, a part the engine owns (:class:`GradIntake`): each gradient a backward produces, handed
-to the reduce buckets in an order every rank shares, and what arrived in this backward and in this accumulation
-window (for the unused-parameter check, frozen parameters and the window's step).
+"""The gradient intake, a part the engine owns (:class:`GradIntake`): each gradient a backward produces, placed
+into the reduce buckets by a layout every rank shares (Note [positional buckets] in ``zero/buckets.py``), and
+what arrived in this backward and in this accumulation window (for the unused-parameter check, frozen
+parameters and the window's step).
+
+Note [extra gradients]. A gradient the bucket layout has no place for (a module run once more than in the
+backward the layout follows: a shared layer under reentrant checkpointing in the first step, a loop whose
+length changed) cannot be reduced then: the other ranks may not have it, and a reduction only this rank issues
+would pair with another collective. It is kept, summed in fp32, until the step. The step's all-reduce carries
+a digest of each rank's extra gradients (Note [collective order]): where every rank has the same ones, they
+are reduced then, in one order, before the norm is taken; where the ranks differ, the step is refused by name
+on every rank. The layout then follows the backward that had them, so the next step places them.
+
+Note [arrival order at stage 3]. At stage 3 the backward's reductions share their process group with its weight
+gathers, so each rank must issue them at the same points between its gathers. A bucket reduced once its places
+are filled is reduced at a point that depends on what the rank ran: ranks that ran different modules would
+interleave reductions and gathers differently and hang (measured: a rank that shuffled its blocks, one waiting in
+a gather, the other in a reduction). So stage 3 fills buckets in arrival order, as the gathers are issued, and a
+rank that ran different modules is refused by the collective order check, which covers the order gradients
+arrived in there.
 """
 from __future__ import annotations
 
@@ -9,14 +26,14 @@ import torch
 from zeropp.comm.ledger import Phase
 from zeropp.comm.ops import Comm
 from zeropp.comm.strategy import ReduceStrategy
-from zeropp.config.policy import bucket_capacity
+from zeropp.config.policy import BUCKETS_IN_FLIGHT, bucket_capacity
 from zeropp.config.policy import StagePlan, TrainPolicy
 from zeropp.offload.link import HostLink
 from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit
 from zeropp.topology import Topology
-from zeropp.zero.buckets import GradBuckets
-from zeropp.zero.order_check import REDUCE, CollectiveOrder
+from zeropp.zero.buckets import BucketLayout, GradBuckets
+from zeropp.zero.order_check import ARRIVE, EXTRA, REDUCE, CollectiveOrder
 
 
 class UnusedParametersError(RuntimeError):
@@ -29,27 +46,47 @@ class GradIntake:
 
     def __init__(self, reduce: ReduceStrategy, order: CollectiveOrder, *, stepped: list[Unit], policy: TrainPolicy,
                  plan: StagePlan, topo: Topology, comm: Comm, residency: Resident, link: HostLink) -> None:
-        self.buckets = GradBuckets(reduce, plan.shard_world(topo.world_size), bucket_capacity(policy.reduce_bucket_size), residency, link,
+        self.buckets = GradBuckets(reduce, plan.shard_world(topo.world_size),
+                                   bucket_capacity(policy.reduce_bucket_size), residency, link,
                                    direct=topo.world_size == 1)
         self.stepped = stepped
         self.order, self.policy, self.plan, self.topo, self.comm = order, policy, plan, topo, comm
         self._missing: dict[Unit, int] = {}  # gradients a unit still waits for in this backward
         self._seen: set[tuple[int, int]] = set()  # (unit, slot) whose gradient arrived this backward
-        self._staged: dict[Unit, list[tuple[int, torch.Tensor]]] = {}  # gradients of leaf units not yet complete
         self._window: set[tuple[int, int]] = set()  # (unit, slot) with a gradient in this accumulation window
+        self._arrivals: list[tuple[Unit, int]] = []  # this backward's gradients, in arrival order
+        self._extras: dict[tuple[int, int], tuple[Unit, int, torch.Tensor]] = {}  # Note [extra gradients]
+        self._extras_now: list[tuple[int, int]] = []  # those of this backward
+        self._staged: dict[Unit, list[tuple[int, torch.Tensor]]] = {}  # stage 3: leaf units not yet complete
+        # Note [arrival order at stage 3]: there the order gradients arrive in decides what each bucket holds
+        self._arrival_kind = REDUCE if plan.shards_weights else ARRIVE
+
+    def _trainable(self) -> list[tuple[Unit, int]]:
+        return [(u, i) for u in self.stepped for i, s in enumerate(u.slots) if s.trainable]
+
+    def _ensure_layout(self) -> None:
+        """The first layout (Note [positional buckets]): stage 2 the units reversed, the order a backward
+        usually produces gradients in; stages 0-1 add in unit order at the boundary. Stage 3 has none (Note
+        [arrival order at stage 3])."""
+        if self.buckets.layout is None and not self.buckets.direct and not self.plan.shards_weights:
+            keys = self._trainable()
+            if self.plan.reduces_as_ready:
+                keys = [(u, i) for u in reversed(self.stepped) for i, s in enumerate(u.slots) if s.trainable]
+            self.buckets.layout = BucketLayout(keys, self.buckets.capacity)
 
     def begin_backward(self) -> None:
-        self._missing, self._seen, self._staged = {}, set(), {}
+        self._missing, self._seen, self._arrivals, self._extras_now, self._staged = {}, set(), [], [], {}
+        self._ensure_layout()
 
     def arrive(self, unit: Unit, slot_index: int, grad: torch.Tensor, whole: bool) -> bool:
-        """A parameter's gradient, from its hook; True once every gradient the unit needs is in. ``whole``: the
-        unit is a leaf module's, whose gradients are bucketed together (Note [partly used units]); other units
-        hand each gradient to the buckets as it arrives."""
+        """A parameter's gradient, from its hook, into the buckets; True once every gradient the unit needs is
+        in. ``whole``: the unit is a leaf module's, whose gradients stage 3 buckets together (Note [partly used
+        units])."""
         self._seen.add((unit.index, slot_index))
         self._window.add((unit.index, slot_index))
         left = (self._missing[unit] if unit in self._missing else unit.needs_grad()) - 1
         self._missing[unit] = left
-        if whole:
+        if whole and self.buckets.layout is None:
             self._staged.setdefault(unit, []).append((slot_index, grad))
             if left > 0:
                 return False
@@ -60,14 +97,25 @@ class GradIntake:
         return left == 0
 
     def _add(self, unit: Unit, slot_index: int, grad: torch.Tensor) -> None:
-        self.order.note(REDUCE, unit.index, slot_index)  # the add order decides what each bucket holds
-        self.buckets.add(unit, slot_index, grad)
+        self.order.note(self._arrival_kind, unit.index, slot_index)
+        self._arrivals.append((unit, slot_index))
+        if not self.buckets.add(unit, slot_index, grad):  # Note [extra gradients]
+            key = (unit.index, slot_index)
+            held = self._extras.get(key)
+            summed = grad.float() if held is None else held[2].add_(grad)
+            self._extras[key] = (unit, slot_index, summed)
+            self._extras_now.append(key)
 
     def finish_backward(self) -> None:
         """The backward is over: the leaf units still waiting go to the buckets, the buckets are reduced, and
         stages 1-2 with ``ignore_unused_parameters: false`` check that every parameter got its gradient."""
         self._bucket_partly_used()
-        self.buckets.finish()
+        if self.plan.reduces_as_ready:  # (stages 0-1 reduce at the boundary: their buckets are not this pass's)
+            self.buckets.finish()
+        for key in sorted(self._extras_now):  # which extra gradients this backward had, checked at the step
+            self.order.note(EXTRA, *key)
+        self.order.note_end(EXTRA)
+        self.order.note_end(self._arrival_kind)
         if not self.policy.ignore_unused_parameters and self.plan.shards_optimizer and not self.plan.shards_weights:
             self._check_unused()
 
@@ -82,16 +130,53 @@ class GradIntake:
         """The window's step ran: the next gradients open a new window."""
         self._window = set()
 
+    def settle(self, arrivals_agree: bool) -> bool:
+        """At the step, after the ranks' digests were found to agree on the extra gradients: reduce those (the
+        same on every rank, in one order), and let the layout follow the last backward where every rank's
+        gradients arrived in one order. True when extra gradients were reduced (the rows changed)."""
+        reduced = bool(self._extras)
+        if reduced:
+            held, self._extras = [self._extras[k] for k in sorted(self._extras)], {}
+            main = self.buckets.layout
+            self.buckets.layout = BucketLayout([(u, s) for u, s, _ in held], self.buckets.capacity, torch.float32)
+            try:
+                for unit, slot, grad in held:
+                    self.buckets.add(unit, slot, grad)
+                self.buckets.finish()
+            finally:
+                self.buckets.layout = main
+        if arrivals_agree and self.buckets.layout is not None and self.plan.reduces_as_ready and self._arrivals:
+            self._follow(self._arrivals)  # (stage 3 has no layout: Note [arrival order at stage 3])
+        return reduced
+
+    def drop_extras(self) -> None:
+        """The step was refused: its extra gradients go with it."""
+        self._extras = {}
+
+    def _follow(self, arrivals: list[tuple[Unit, int]]) -> None:
+        """The layout becomes ``arrivals`` (repeats kept) and, after them, the trainable parameters that got no
+        gradient there, in the layout's order."""
+        layout = self.buckets.layout
+        got = {(u.index, s) for u, s in arrivals}
+        rest = [(u, s) for u, s in self._trainable() if (u.index, s) not in got]
+        if layout is not None:
+            rank = {k: i for i, k in reversed(list(enumerate(layout.keys)))}
+            rest.sort(key=lambda k: rank.get((k[0].index, k[1]), len(rank)))
+        keys = arrivals + rest
+        if layout is None or tuple((u.index, s) for u, s in keys) != layout.keys:
+            self.buckets.layout = BucketLayout(keys, self.buckets.capacity)
+            # buckets held while gradients came out of layout order: not kept once the layout follows them
+            self.buckets.pool.trim(BUCKETS_IN_FLIGHT + 1)
+
     def _bucket_partly_used(self) -> None:
-        """Note [partly used units]: a leaf module (``set_z3_leaf_modules``, ``leaf_module``, the granularity
-        threshold) is one unit over several modules, and ranks may use different parts of it: a mixture of
-        experts whose tokens went to other experts on another rank, a forward that picks a child by rank. Each
-        rank would hand the buckets only what it used, in its own order, and the ranks' buckets would pair
-        different parameters. So a leaf unit's gradients wait until all of them are in; those of a leaf unit
-        still waiting when backward ends go to the buckets in slot order, zeros for the parameters it did not
-        use, in unit order: the same adds on every rank whose backward reached the same units. Other units
-        hand each gradient over as it arrives (the earliest reduction); ranks that use different parts of one
-        of them, or run different units, are refused by the collective order check."""
+        """Note [partly used units]: at stage 3 (buckets in arrival order) a leaf module (``set_z3_leaf_modules``,
+        ``leaf_module``, the granularity threshold) is one unit over several modules, and ranks may use different
+        parts of it: a mixture of experts whose tokens went to other experts on another rank, a forward that picks
+        a child by rank. Each rank would hand the buckets only what it used, in its own order, and the ranks'
+        buckets would pair different parameters. So a leaf unit's gradients wait until all of them are in; those
+        of a leaf unit still waiting when backward ends go to the buckets in slot order, zeros for the parameters
+        it did not use, in unit order: the same adds on every rank whose backward reached the same units. (Stages
+        0-2 place every gradient by a layout instead: Note [positional buckets].)"""
         for unit in sorted(self._staged, key=lambda u: u.index):
             got = dict(self._staged[unit])
             for index, slot in enumerate(unit.slots):
@@ -122,17 +207,17 @@ class GradIntake:
     def reduce_whole(self, units: list[Unit]) -> None:
         """Stages 0-1, at the boundary: reduce every accumulated full gradient into its shard.
 
-        A trainable parameter without a gradient on this rank contributes zeros, so every rank reduces the
-        same buckets in the same order even when some rank's forward skipped a module.
+        A trainable parameter without a gradient on this rank contributes zeros (Note [positional buckets]), so
+        every rank reduces the same buckets even when some rank's forward skipped a module.
         """
+        self._ensure_layout()
         for unit in units:
             for index, slot in enumerate(unit.slots):
                 p = slot.param
-                if not slot.trainable:  # (one frozen for this micro-step only still has its window's gradient)
+                # (one frozen for this micro-step only still has its window's gradient)
+                if not slot.trainable or p.grad is None:
                     continue
-                grad = p.grad if p.grad is not None else torch.zeros(p.shape, dtype=self.policy.compute_dtype,
-                                                                     device=unit.device)
-                p.grad = None
-                self.order.note(REDUCE, unit.index, index)
-                self.buckets.add(unit, index, grad)
+                grad, p.grad = p.grad, None
+                if not self.buckets.add(unit, index, grad):
+                    raise AssertionError(f"{slot.name}: no place in the reduce buckets")
         self.buckets.finish()

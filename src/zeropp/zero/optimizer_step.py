@@ -25,6 +25,7 @@ from zeropp.offload.row_norm import squared_norm
 from zeropp.partition.unit import Unit
 from zeropp.topology import Topology
 from zeropp.zero.background import BackgroundUpdate
+from zeropp.zero.grad_intake import GradIntake
 from zeropp.zero.loss_scaler import LossScaler
 from zeropp.zero.order_check import CollectiveOrder, CollectiveOrderError
 from zeropp.zero.timing import StepTimer
@@ -38,14 +39,15 @@ class OptimizerStep:
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, stepped: list[Unit],
                  policy: TrainPolicy, plan: StagePlan, topo: Topology, comm: Comm, order: CollectiveOrder,
                  residency: Resident, link: HostLink, timer: StepTimer, copy_back: Callable[[Unit], None],
-                 gather_resident: Callable[[Phase], None], step_number: Callable[[], int]) -> None:
+                 gather_resident: Callable[[Phase], None], step_number: Callable[[], int],
+                 grads: GradIntake) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.stepped = stepped  # units with gradient rows and a step (not frozen); [] once the model is whole
         # master views the optimizer updates (frozen or left-out parameters are not among them)
         self.optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self.policy, self.plan, self.topo, self.comm, self.order = policy, plan, topo, comm, order
-        self.residency, self.link, self.timer = residency, link, timer
+        self.residency, self.link, self.timer, self.grads = residency, link, timer, grads
         s = policy.loss_scaling  # fp16 only
         self.loss_scaler = LossScaler.from_config(s.loss_scale, s.initial_scale_power, s.window, s.hysteresis,
                                                   s.min_scale) if s is not None else None
@@ -107,7 +109,7 @@ class OptimizerStep:
             return squared_norm(u.grad_row(), unscale) if in_groups else squared_norm(fp32_grad(u))
 
         with record_function("zeropp.grad_norm"):
-            norm = self._global_norm(sq_norm)
+            norm = self._global_norm(sq_norm, cache.clear)
         self.global_grad_norm = norm
         self.skipped = not math.isfinite(norm)
         self.skipped_steps += self.skipped
@@ -164,26 +166,37 @@ class OptimizerStep:
             at += u.row.numel
         return out
 
-    def _global_norm(self, sq_norm: Callable[[Unit], torch.Tensor]) -> float:
+    def _global_norm(self, sq_norm: Callable[[Unit], torch.Tensor], forget: Callable[[], None]) -> float:
         """The gradients' global L2 norm from each unit's squared norm (fp64); the same all-reduce checks that
         every rank issued the same collectives this step (Note [collective order]) before any gradient is
-        used."""
+        used, and whether extra gradients must be reduced first (Note [extra gradients]: then ``forget`` drops
+        what ``sq_norm`` cached, and the norm is taken again)."""
         device = self.stepped[0].device if self.stepped else None
-        sq = torch.zeros(1, dtype=torch.float64, device=device)
-        for group in self.residency.grad_pass(self.stepped):  # squared norms summed in fp64
-            for u in group:
-                sq += sq_norm(u)
+        sq = self._sum_squares(sq_norm, device)
         if self.shard_world == 1:  # stage 0 holds whole gradients, identical on every rank, and reduced them
             self.order.reset()     # at the boundary in a fixed order
             return math.sqrt(sq.item())
         both = torch.cat([sq, torch.tensor(self.order.payload(), dtype=torch.float64, device=device)])
         self.comm.all_reduce(both, self.topo.world, Phase.OTHER)
         try:
-            self.order.check(both[1:].tolist(), self.topo.world_size)
+            arrivals_agree = self.order.check(both[1:].tolist(), self.topo.world_size)
         except CollectiveOrderError:
             self.residency.clear_grads(self.stepped, keep_rows=self.keeps_rows)  # mixed: never used
+            self.grads.drop_extras()
             raise
+        if self.grads.settle(arrivals_agree):
+            forget()
+            sq = self._sum_squares(sq_norm, device)
+            self.comm.all_reduce(sq, self.topo.world, Phase.OTHER)
+            return math.sqrt(sq.item())
         return math.sqrt(both[0].item())
+
+    def _sum_squares(self, sq_norm: Callable[[Unit], torch.Tensor], device: Optional[torch.device]) -> torch.Tensor:
+        sq = torch.zeros(1, dtype=torch.float64, device=device)
+        for group in self.residency.grad_pass(self.stepped):  # squared norms summed in fp64
+            for u in group:
+                sq += sq_norm(u)
+        return sq
 
     def _step_group(self, units: list[Unit]) -> set[Unit]:
         """``optimizer.step()``; returns the units whose 16-bit shard it also wrote. A host optimizer with
