@@ -52,6 +52,10 @@ def path(case: str, step: int, rank: int, micro: int) -> dict:
         return {"runs": (1, 3, 3, 2)[step]}
     if case == "shared_runs_differ":
         return {"runs": 2 + (rank == 1 and step == 2)}
+    if case == "shared_runs_in_first_micro_step":  # the extra run is not in the window's last backward
+        return {"runs": 2 if micro == 0 else 1}
+    if case == "restart_after_extras":  # step 1's first backward (dropped by restart_accumulation) runs it 3 times
+        return {"runs": 1}
     raise ValueError(case)
 
 
@@ -85,6 +89,9 @@ def train(rank: int, world: int, case: str, gas: int) -> dict:
     losses, error, layouts = [], None, []
     for step in range(STEPS):
         before = engine.consolidated_state_dict()
+        if case == "restart_after_extras" and step == 1:  # extra gradients, then the window is dropped
+            engine.backward(engine(batch(99, rank, 0), runs=3))
+            engine.restart_accumulation()
         for micro in range(gas):
             loss = engine(batch(step, rank, micro), **path(case, step, rank, micro))
             engine.backward(loss)
@@ -103,7 +110,7 @@ def train(rank: int, world: int, case: str, gas: int) -> dict:
 
 
 CASES = [("skip_other_sizes", 1), ("skip_in_one_micro_step", 2), ("shared_runs_everywhere", 1),
-         ("shared_runs_differ", 1)]
+         ("shared_runs_differ", 1), ("shared_runs_in_first_micro_step", 2), ("restart_after_extras", 1)]
 
 
 def run_all(rank: int, world: int) -> dict:
@@ -116,7 +123,8 @@ def results() -> dict:
     return {c: ([r[c] for r in out], gas) for c, gas in CASES}
 
 
-@pytest.mark.parametrize("case", ["skip_other_sizes", "skip_in_one_micro_step", "shared_runs_everywhere"])
+@pytest.mark.parametrize("case", ["skip_other_sizes", "skip_in_one_micro_step", "shared_runs_everywhere",
+                                  "shared_runs_in_first_micro_step", "restart_after_extras"])
 def test_ranks_that_run_different_modules_train_as_one_process(results: dict, case: str) -> None:
     ranks, gas = results[case]
     ref = reference(case, gas)
@@ -133,6 +141,9 @@ def test_the_layout_follows_the_runs_every_rank_made(results: dict) -> None:
     for res in ranks:
         one, three, again, two = res["layouts"]
         assert (three, again, two) == (one + 4, one + 4, one + 2)
+    # the most runs of any backward in the window, not the last one's: places for 2 runs from the first step
+    for res in results["shared_runs_in_first_micro_step"][0]:
+        assert len(set(res["layouts"])) == 1 and res["layouts"][0] == one + 2
 
 
 def test_extra_runs_on_one_rank_are_refused_by_name(results: dict) -> None:

@@ -25,7 +25,10 @@ from zeropp.partition.spec import ShardSpec
 # ``BUCKETS_IN_FLIGHT`` buckets (one reducing while backward fills the next), so each holds at most half of it;
 # a bucket is flushed before a gradient would overflow it, and only a parameter larger than half the setting
 # is reduced on its own, in a bucket of its size. So the gradient buckets take at most
-# ``2 B x max(reduce_bucket_size, 2 x the largest parameter)``.
+# ``2 B x max(reduce_bucket_size, 2 x the largest parameter)``. At stages 0-2, while gradients arrive out of the
+# bucket layout's order (a rank that skipped a module, the first step of a model whose parameters are not in
+# backward order), the buckets after an incomplete one are held until it completes or backward ends: at most
+# the whole 16-bit gradient, what stage 1 holds (Note [positional buckets] in ``zero/buckets.py``).
 #
 # Left unset, the size follows the model: a quarter of its trainable elements (about eight buckets per
 # backward, so the reduction of the first overlaps the rest of backward even on a small model), at least

@@ -17,10 +17,11 @@ parallelism with unused parameters gives. Before, buckets were filled in arrival
 buckets held other parameters, or had other sizes: gloo aborted the process (SIGABRT in its size check), or
 the step was refused.
 
-The layout starts from the units' order reversed (the order a backward usually produces gradients in; stages
+The layout starts from the parameters' order reversed (the order a backward usually produces gradients in; stages
 0-1 reduce in unit order) and, at each optimizer step whose ranks all produced the same arrival order
 (checked with the step's collectives, Note [collective order]), follows the last backward's order, repeats
-included (a module run twice, a shared layer under reentrant checkpointing, is reduced once per run). While
+included (a module run twice, a shared layer under reentrant checkpointing, is reduced once per run), with the
+most runs any backward of the window had. While
 gradients arrive out of layout order, a bucket waits for its places and the buckets after it are held (at most
 the whole gradient, what stage 1 holds). A gradient the layout has no place for (one more run of a module than
 the layout knows) is not bucketed: ``add`` says so and the caller keeps it for the step (Note [extra
@@ -308,15 +309,17 @@ class GradBuckets:
         while self._direct_copies:
             self._land_direct()
         self._release_direct()
-        if self.layout is not None and not self.direct:
-            while self._next < len(self.layout.plans):
-                self._flush(self._next)
-        self._flush_ready()
-        self._fills, self._next, self._runs = {}, 0, {}
-        while self._inflight:
-            self._complete(self._inflight.pop(0))
-        while self._downloads:
-            self._accumulate(self._downloads.pop(0))
+        try:
+            if self.layout is not None and not self.direct:
+                while self._next < len(self.layout.plans):
+                    self._flush(self._next)
+            self._flush_ready()
+            while self._inflight:
+                self._complete(self._inflight.pop(0))
+            while self._downloads:
+                self._accumulate(self._downloads.pop(0))
+        finally:  # the next backward fills a layout from its start, even after a reduction raised
+            self._fills, self._next, self._runs = {}, 0, {}
 
     def _complete(self, job: _InFlight) -> None:
         """The reduction finished: start its row's copy out and add the copies before it (and this one too

@@ -8,8 +8,10 @@ backward the layout follows: a shared layer under reentrant checkpointing in the
 length changed) cannot be reduced then: the other ranks may not have it, and a reduction only this rank issues
 would pair with another collective. It is kept, summed in fp32, until the step. The step's all-reduce carries
 a digest of each rank's extra gradients (Note [collective order]): where every rank has the same ones, they
-are reduced then, in one order, before the norm is taken; where the ranks differ, the step is refused by name
-on every rank. The layout then follows the backward that had them, so the next step places them.
+are reduced then, in one order, and the norm is taken again; where the ranks differ, the step is refused by
+name on every rank. Where the ranks' arrivals agreed, the layout then takes in the most runs each parameter had
+in a backward of the window, so the next step places them. (Where they never agree, as under LayerDrop, a
+module with repeated runs that some rank skips is refused at every step.)
 
 Note [arrival order at stage 3]. At stage 3 the backward's reductions share their process group with its weight
 gathers, so each rank must issue them at the same points between its gathers. A bucket reduced once its places
@@ -55,6 +57,7 @@ class GradIntake:
         self._seen: set[tuple[int, int]] = set()  # (unit, slot) whose gradient arrived this backward
         self._window: set[tuple[int, int]] = set()  # (unit, slot) with a gradient in this accumulation window
         self._arrivals: list[tuple[Unit, int]] = []  # this backward's gradients, in arrival order
+        self._most_runs: dict[tuple[int, int], tuple[Unit, int, int]] = {}  # in one backward of this window
         self._extras: dict[tuple[int, int], tuple[Unit, int, torch.Tensor]] = {}  # Note [extra gradients]
         self._extras_now: list[tuple[int, int]] = []  # those of this backward
         self._staged: dict[Unit, list[tuple[int, torch.Tensor]]] = {}  # stage 3: leaf units not yet complete
@@ -65,13 +68,14 @@ class GradIntake:
         return [(u, i) for u in self.stepped for i, s in enumerate(u.slots) if s.trainable]
 
     def _ensure_layout(self) -> None:
-        """The first layout (Note [positional buckets]): stage 2 the units reversed, the order a backward
-        usually produces gradients in; stages 0-1 add in unit order at the boundary. Stage 3 has none (Note
-        [arrival order at stage 3])."""
+        """The first layout (Note [positional buckets]): stage 2 the parameters reversed, the order a backward
+        usually produces gradients in (a GPT-2's first step filled one bucket at a time; with each unit's
+        parameters in their own order, up to 4 at once); stages 0-1 add in unit order at the boundary. Stage 3
+        has none (Note [arrival order at stage 3])."""
         if self.buckets.layout is None and not self.buckets.direct and not self.plan.shards_weights:
             keys = self._trainable()
             if self.plan.reduces_as_ready:
-                keys = [(u, i) for u in reversed(self.stepped) for i, s in enumerate(u.slots) if s.trainable]
+                keys = keys[::-1]
             self.buckets.layout = BucketLayout(keys, self.buckets.capacity)
 
     def begin_backward(self) -> None:
@@ -86,7 +90,7 @@ class GradIntake:
         self._window.add((unit.index, slot_index))
         left = (self._missing[unit] if unit in self._missing else unit.needs_grad()) - 1
         self._missing[unit] = left
-        if whole and self.buckets.layout is None:
+        if whole and self.plan.shards_weights:
             self._staged.setdefault(unit, []).append((slot_index, grad))
             if left > 0:
                 return False
@@ -107,11 +111,18 @@ class GradIntake:
             self._extras_now.append(key)
 
     def finish_backward(self) -> None:
-        """The backward is over: the leaf units still waiting go to the buckets, the buckets are reduced, and
-        stages 1-2 with ``ignore_unused_parameters: false`` check that every parameter got its gradient."""
+        """The backward is over: the leaf units still waiting go to the buckets, stages 2-3 reduce the buckets
+        (stages 0-1 reduce at the boundary), and stages 1-2 with ``ignore_unused_parameters: false`` check that
+        every parameter got its gradient."""
         self._bucket_partly_used()
         if self.plan.reduces_as_ready:  # (stages 0-1 reduce at the boundary: their buckets are not this pass's)
             self.buckets.finish()
+        runs: dict[tuple[int, int], int] = {}
+        for unit, slot in self._arrivals:
+            key = (unit.index, slot)
+            runs[key] = runs.get(key, 0) + 1
+            if runs[key] > self._most_runs.get(key, (unit, slot, 0))[2]:
+                self._most_runs[key] = (unit, slot, runs[key])
         for key in sorted(self._extras_now):  # which extra gradients this backward had, checked at the step
             self.order.note(EXTRA, *key)
         self.order.note_end(EXTRA)
@@ -145,18 +156,25 @@ class GradIntake:
                 self.buckets.finish()
             finally:
                 self.buckets.layout = main
+        # (a window with no backward agrees on nothing: its arrivals are empty; stage 3 has no layout)
         if arrivals_agree and self.buckets.layout is not None and self.plan.reduces_as_ready and self._arrivals:
-            self._follow(self._arrivals)  # (stage 3 has no layout: Note [arrival order at stage 3])
+            self._follow(self._arrivals)
+        self._arrivals, self._most_runs = [], {}
         return reduced
 
     def drop_extras(self) -> None:
-        """The step was refused: its extra gradients go with it."""
-        self._extras = {}
+        """The step was refused, or the window's gradients dropped: its extra gradients go with it."""
+        self._extras, self._arrivals, self._most_runs = {}, [], {}
 
     def _follow(self, arrivals: list[tuple[Unit, int]]) -> None:
-        """The layout becomes ``arrivals`` (repeats kept) and, after them, the trainable parameters that got no
-        gradient there, in the layout's order."""
+        """The layout becomes ``arrivals`` (repeats kept), then the runs another backward of the window had on
+        top of them, then the trainable parameters that got no gradient there, in the layout's order."""
         layout = self.buckets.layout
+        count: dict[tuple[int, int], int] = {}
+        for u, s in arrivals:
+            count[(u.index, s)] = count.get((u.index, s), 0) + 1
+        arrivals = arrivals + [(u, s) for key, (u, s, most) in sorted(self._most_runs.items())
+                               for _ in range(most - count.get(key, 0))]
         got = {(u.index, s) for u, s in arrivals}
         rest = [(u, s) for u, s in self._trainable() if (u.index, s) not in got]
         if layout is not None:

@@ -70,6 +70,7 @@ class OptimizerStep:
             for slot in u.slots:
                 slot.param.grad = None
         self.residency.clear_grads(self.stepped, keep_rows=self.keeps_rows)
+        self.grads.drop_extras()  # (Note [extra gradients]: every rank drops the same ones)
 
     def step(self, background: bool = False, schedule: bool = True) -> None:
         """Unscale, take the global norm, skip or clip, then update the masters (and, with ``schedule``, step
