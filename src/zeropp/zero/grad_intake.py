@@ -102,7 +102,8 @@ class GradIntake:
 
     def _add(self, unit: Unit, slot_index: int, grad: torch.Tensor) -> None:
         self.order.note(self._arrival_kind, unit.index, slot_index)
-        self._arrivals.append((unit, slot_index))
+        if self.buckets.layout is not None:  # only a layout follows them (not stage 3's hot path, nor one rank)
+            self._arrivals.append((unit, slot_index))
         if not self.buckets.add(unit, slot_index, grad):  # Note [extra gradients]
             key = (unit.index, slot_index)
             held = self._extras.get(key)
