@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 SYSTEMS = ("ds_zero3", "zeropp_zero3", "zeropp_plus")
 ZEROPP = {"zeropp_zero3": {"stage": 3},
@@ -62,10 +62,11 @@ def save_model(path: str, layers: int, hidden: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _wire() -> int:
+def _wire() -> Optional[int]:
+    """Bytes the node's link carried so far; None in ledger-only mode (no link of the node's to read)."""
     from zeropp.tools.cluster_bench.cluster import read_link_counters
     counters = read_link_counters()
-    return 0 if counters is None else counters["rx"] + counters["tx"]
+    return None if counters is None else counters["rx"] + counters["tx"]
 
 
 def worker(system: str, model_dir: str, steps: int, warmup: int, result: str) -> None:
@@ -87,14 +88,15 @@ def worker(system: str, model_dir: str, steps: int, warmup: int, result: str) ->
     if system.startswith("zeropp"):
         from zeropp.hf import ZeroppTrainer
         base = type("ZeroppGRPOTrainer", (ZeroppTrainer, GRPOTrainer), {})
-    phases: dict[str, list[float]] = {"generation_s": [], "step_s": [], "generation_wire": [], "step_wire": []}
+    phases: dict[str, list[Any]] = {"generation_s": [], "step_s": [], "generation_wire": [], "step_wire": []}
 
     def timed(phase: str, call: Callable[[], Any]) -> Any:
         """``call()``, its seconds and the bytes across the link recorded under ``phase``."""
         wire, t = _wire(), time.perf_counter()
         out = call()
         phases[f"{phase}_s"].append(time.perf_counter() - t)
-        phases[f"{phase}_wire"].append(_wire() - wire)
+        after = _wire()
+        phases[f"{phase}_wire"].append(None if wire is None or after is None else after - wire)
         return out
 
     class Timed(base):  # type: ignore[misc, valid-type]
@@ -131,10 +133,11 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     gen, step = raw["phases"]["generation_s"][w:], raw["phases"]["step_s"][w:]
     gwire, swire = raw["phases"]["generation_wire"][w:], raw["phases"]["step_wire"][w:]
     train = [s - g for s, g in zip(step, gen)]
+    counted = None not in gwire + swire  # ledger-only: no wire bytes at all, never the host's interface's
     return {"generation_s": statistics.median(gen), "training_s": statistics.median(train),
             "step_s": statistics.median(step), "generation_share": statistics.median(g / s for g, s in zip(gen, step)),
-            "generation_wire_bytes": statistics.median(gwire),
-            "training_wire_bytes": statistics.median(s - g for s, g in zip(swire, gwire)),
+            "generation_wire_bytes": statistics.median(gwire) if counted else None,
+            "training_wire_bytes": statistics.median(s - g for s, g in zip(swire, gwire)) if counted else None,
             "rewards": raw["rewards"]}
 
 

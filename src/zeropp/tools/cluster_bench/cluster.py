@@ -37,6 +37,10 @@ from typing import IO, Callable, Optional, Sequence
 
 SUBNET = "10.77.0"  # private to the namespaces: the host's interfaces are not visible inside them
 IFACE = "eth0"
+# Set in the environment of every rank `launch` starts inside a node namespace: only there is `eth0` the node's
+# link. Outside (ledger-only mode, loopback) the name may be the host's own interface, whose counters count
+# whatever else the machine sends, so nothing reads them there.
+IN_NODE_ENV = "ZEROPP_CLUSTER_NODE"
 
 
 class ClusterError(RuntimeError):
@@ -205,6 +209,9 @@ class Cluster:
                                 LOCAL_WORLD_SIZE=str(self.ranks_per_node), GROUP_RANK=str(node),
                                 NODE_RANK=str(node), MASTER_ADDR=master, MASTER_PORT=str(port),
                                 GLOO_SOCKET_IFNAME=IFACE if self.namespaces else "lo", OMP_NUM_THREADS="1")
+                rank_env.pop(IN_NODE_ENV, None)
+                if self.namespaces:
+                    rank_env[IN_NODE_ENV] = self.node_ns(node)
                 cmd = list(argv)
                 if self.namespaces:
                     cmd = ["ip", "netns", "exec", self.node_ns(node), *cmd]
@@ -262,7 +269,11 @@ def _free_port() -> int:
 
 
 def read_link_counters(iface: str = IFACE) -> Optional[dict[str, int]]:
-    """``tx_bytes``/``rx_bytes`` of ``iface`` in this process's namespace, or None when there is no such link."""
+    """``tx_bytes``/``rx_bytes`` of ``iface`` in this process's node namespace; None in a process the cluster did
+    not start inside a node (ledger-only mode: the host's interface of that name counts other traffic), or when
+    there is no such link."""
+    if not os.environ.get(IN_NODE_ENV):
+        return None
     base = f"/sys/class/net/{iface}/statistics"
     try:
         with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
