@@ -323,3 +323,66 @@ def test_offload_nvme_moves_parameters_too_unless_hpz_is_on(tmp_path) -> None:
     assert zero["offload_param"]["nvme_path"] == zero["offload_optimizer"]["nvme_path"]
 
 
+
+
+# ---------------------------------------------------------------------------------------------- --precision
+def test_precision_is_forwarded_and_applied() -> None:
+    args = _train_subparser().parse_args(["--precision", "fp32"])
+    forwarded = job.job_parser().parse_args(cli._job_args(args))
+    assert forwarded.precision == "fp32"
+    cfg = job.resolve_config(forwarded, 4)
+    assert cfg["bf16"]["enabled"] is False and job.precision_name(cfg) == "fp32"
+    assert job.precision_name(_resolve(["--precision", "bf16"])) == "bf16"
+    assert job.precision_name(_resolve([])) == "bf16"  # the built-in config, as written
+
+
+def test_precision_overrides_a_configs_fp16(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True}}))
+    assert job.precision_name(_resolve(["--config", str(path)])) == "fp16"
+    cfg = _resolve(["--config", str(path), "--precision", "bf16"])
+    assert job.precision_name(cfg) == "bf16" and cfg["fp16"]["enabled"] is False
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_precision_follows_the_cpu_and_says_so_first(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture, fast: bool) -> None:
+    from zeropp.tools.demo import cpu
+    monkeypatch.setattr(cpu, "bf16_speed", lambda: cpu.Bf16Speed(fast, "because the test says so"))
+    args = _train_subparser().parse_args([])
+    cli._settle_precision(args)
+    out = capsys.readouterr().out.splitlines()
+    assert args.precision == ("bf16" if fast else "fp32")
+    if fast:
+        assert out == []
+    else:
+        assert len(out) == 1 and "training in fp32" in out[0] and "because the test says so" in out[0]
+    # a user's config keeps its precision: auto decides nothing there
+    args = _train_subparser().parse_args(["--config", "c.json"])
+    cli._settle_precision(args)
+    assert args.precision == "auto"
+
+
+def test_bf16_speed_reads_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zeropp.tools.demo import cpu
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert cpu.bf16_speed().fast is False
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    speed = cpu.bf16_speed()
+    assert speed.fast and "AVX512_BF16" in speed.why
+    # no flags to read (another architecture): measured, and an answer either way
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(cpu, "_measured_ratio", lambda: 30.0)
+    assert cpu.bf16_speed().fast is False
+    monkeypatch.setattr(cpu, "_measured_ratio", lambda: 1.2)
+    assert cpu.bf16_speed().fast is True
+
+
+def test_formula_report_follows_the_precision() -> None:
+    from zeropp.topology import Layout
+    bf16 = job.formula_report([1000, 24], Layout(4, 2), 0, 2)
+    fp32 = job.formula_report([1000, 24], Layout(4, 2), 0, 4)
+    for phase in bf16:
+        for link, value in bf16[phase].items():
+            assert fp32[phase][link] == 2 * value

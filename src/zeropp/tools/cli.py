@@ -30,6 +30,9 @@ def _train_parser(sub: "argparse._SubParsersAction") -> None:
                    "topology.ranks_per_node; the built-in config has 2, i.e. 2 nodes x 2 ranks)")
     p.add_argument("--config", default=None,
                    help="DeepSpeed-style JSON config (default: the built-in one: bf16, AdamW, ZeRO-3 + ZeRO++)")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="the training precision, overriding the config; auto: the config's, and for the built-in "
+                   "config bf16 where the CPU multiplies bf16 fast (AVX512-BF16 or AMX), else fp32 (default: auto)")
     p.add_argument("--zeropp", action=argparse.BooleanOptionalAction, default=None,
                    help="switch qwZ, hpZ (group = one node) and qgZ all on or all off, overriding the config "
                    "(default: as the config says; the built-in config has them on)")
@@ -71,11 +74,27 @@ def _job_args(args: argparse.Namespace) -> list[str]:
         out += ["--nvme-path", os.path.abspath(args.nvme_path)]
     if args.out:
         out += ["--out", os.path.abspath(args.out)]
+    if args.precision != "auto":
+        out += ["--precision", args.precision]
     if args.checkpoint_dir:
         out += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
     if args.save_every:
         out += ["--save-every", str(args.save_every)]
     return out
+
+
+def _settle_precision(args: argparse.Namespace) -> None:
+    """``--precision auto`` with the built-in config: fp32 where bf16 matmuls are slow (zeropp/tools/demo/cpu.py),
+    said in the first line printed; a user's config keeps its own precision."""
+    if args.precision != "auto" or args.config:
+        return
+    from zeropp.tools.demo.cpu import bf16_speed
+
+    speed = bf16_speed()
+    args.precision = "bf16" if speed.fast else "fp32"
+    if not speed.fast:
+        print(f"zeropp train: training in fp32, not the built-in config's bf16: {speed.why} "
+              "(--precision bf16 to use it anyway)", flush=True)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -91,6 +110,7 @@ def train(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         print(f"zeropp train: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
         return 2
+    _settle_precision(args)
     try:
         with warnings.catch_warnings():  # the ranks read the config again and warn there
             warnings.simplefilter("ignore")

@@ -58,6 +58,7 @@ def job_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zeropp-job", add_help=True)
     p.add_argument("--config", default=None)
     p.add_argument("--zeropp", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--precision", choices=("bf16", "fp32"), default=None)
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default=None)
     p.add_argument("--nvme-path", default=None)
@@ -97,6 +98,10 @@ def resolve_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
         cfg.setdefault("topology", {})["ranks_per_node"] = args.ranks_per_node
     if args.offload is not None:
         _set_offload(zero, args.offload, args.nvme_path)
+    if args.precision is not None:
+        cfg["bf16"] = {**(cfg.get("bf16") or {}), "enabled": args.precision == "bf16"}
+        if "fp16" in cfg:
+            cfg["fp16"] = {**(cfg["fp16"] or {}), "enabled": False}
     try:
         with warnings.catch_warnings():  # initialize reads it again and warns there, once
             warnings.simplefilter("ignore", ConfigWarning)
@@ -156,15 +161,24 @@ class Progress:
             print(line, flush=True)
 
 
-def formula_report(numels: list[int], layout: Layout, rank: int) -> dict[str, dict[str, int]]:
-    """What plain ZeRO-3 would move per step on this rank (bf16), for comparison."""
-    gather = accounting.gather_volume(numels, layout, rank, 2).as_dict()
+def precision_name(cfg: dict[str, Any]) -> str:
+    """The training precision ``cfg`` asks for: bf16, fp16 or fp32."""
+    for name in ("bf16", "fp16"):
+        if (cfg.get(name) or {}).get("enabled") is True:
+            return name
+    return "fp32"
+
+
+def formula_report(numels: list[int], layout: Layout, rank: int, itemsize: int = 2) -> dict[str, dict[str, int]]:
+    """What plain ZeRO-3 would move per step on this rank with ``itemsize``-byte weights and gradients (2: bf16),
+    for comparison."""
+    gather = accounting.gather_volume(numels, layout, rank, itemsize).as_dict()
     return {"forward_gather": gather, "backward_gather": gather,
-            "grad_reduce": accounting.reduce_scatter_volume(numels, layout, rank, 2).as_dict()}
+            "grad_reduce": accounting.reduce_scatter_volume(numels, layout, rank, itemsize).as_dict()}
 
 
-def print_report(measured: dict[str, dict[str, int]], zero3: dict[str, dict[str, int]]) -> None:
-    print("\nCommunication per optimizer step, bytes received by rank 0 (ledger) vs the ZeRO-3 formula:")
+def print_report(measured: dict[str, dict[str, int]], zero3: dict[str, dict[str, int]], precision: str = "bf16") -> None:
+    print(f"\nCommunication per optimizer step, bytes received by rank 0 (ledger) vs the ZeRO-3 formula in {precision}:")
     print(f"{'phase':<16}{'intra-node':>14}{'inter-node':>14}{'ZeRO-3 intra':>16}{'ZeRO-3 inter':>16}")
     tot = [0, 0, 0, 0]
     for phase in ("forward_gather", "backward_gather", "grad_reduce"):
@@ -247,8 +261,7 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
               or (key == "zero_hpz_partition_size" and (zero.get(key) or 1) > 1)]
         print(f"zeropp: GPT {model.num_parameters():,} parameters, {world} ranks as "
               f"{world // engine.topo.ranks_per_node} nodes x {engine.topo.ranks_per_node}, "
-              f"ZeRO-3{' + ' + ' + '.join(on) if on else ''}, "
-              f"{'bf16' if cfg.get('bf16', {}).get('enabled') else 'fp32'}"
+              f"ZeRO-3{' + ' + ' + '.join(on) if on else ''}, {precision_name(cfg)}"
               f"{_offload_words(engine, cfg)}", flush=True)
     progress = Progress(args.steps, args.log_every)
     start, losses = _resume(engine, args, rank)
@@ -273,11 +286,12 @@ def run(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if args.checkpoint_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
             engine.save_checkpoint(args.checkpoint_dir, client_state={"step": step + 1, "losses": losses})
     report = engine.comm_report()
-    zero3 = formula_report(numels, Layout(world, engine.topo.ranks_per_node), rank)
+    precision = precision_name(cfg)
+    zero3 = formula_report(numels, Layout(world, engine.topo.ranks_per_node), rank, 4 if precision == "fp32" else 2)
     result = {"losses": losses, "comm": report, "zero3_formula": zero3, "config": cfg,
               "parameters": model.num_parameters(), "seconds": time.perf_counter() - t0}
     if rank == 0:
-        print_report(report, zero3)
+        print_report(report, zero3, precision)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
