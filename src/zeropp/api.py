@@ -22,7 +22,6 @@ from zeropp.comm.gather import AllGather
 from zeropp.comm.ledger import CommLedger
 from zeropp.comm.ops import Comm
 from zeropp.comm.reduce import AllReduceKeepRow, AllReduceMean, AllToAllReduceScatter
-from zeropp.config.schema import ZeroConfig
 from zeropp.config.loader import ZeroppConfig, load_config
 from zeropp.config.auto import AutoValues
 from zeropp.offload.link import build_link
@@ -42,44 +41,40 @@ from zeropp.zero.engine import ZeroEngine
 from zeropp.zero.strategies import Strategies
 
 
-def build_strategies(zero: ZeroConfig, comm: Comm) -> Strategies:
-    """Map the stage and the ZeRO++ switches to gather and reduce strategies.
+def build_strategies(policy: TrainPolicy, comm: Comm) -> Strategies:
+    """Map the stage and the ZeRO++ switches (``policy.comm``) to gather and reduce strategies.
 
     Stages 0-2 gather only after an optimizer step (over a group of one in stage 0, whose every rank holds
     the whole master); the ZeRO++ switches, stage 3 only, each replace one strategy independently.
     """
-    if zero.stage == 0:
+    if policy.stage == 0:
         me = Group((comm.topo.rank,))
         return Strategies(AllGather(comm, me), AllGather(comm, me), AllReduceMean(comm))
-    block = zero.quantization_block_size
+    plus = policy.comm
+    block = plus.block_size
     forward = (
-        QuantizedGather(comm, zero.zero_quantized_weights_bits, block) if zero.zero_quantized_weights
+        QuantizedGather(comm, plus.weight_bits, block) if plus.quantized_weights
         else AllGather(comm)
     )
     backward = AllGather(comm)
     secondary = None
-    if zero.zero_hpz_partition_size > 1:
+    if plus.hpz_partition_size > 1:
         # shared: a slice cut after forward serves backward; one pool of output rows (Note [hpZ slices at initialize])
         store, pools = SecondaryStore(), BufferPools("hpz", "out")
         forward = secondary = HpzGather(comm, forward, store, pools)
         backward = HpzGather(comm, backward, store, pools, reports_pools=False)
-    if zero.zero_quantized_gradients:
-        reduce = QuantizedReduce(comm, zero.zero_quantized_gradients_bits, block, _loco(zero))
+    if plus.quantized_gradients:
+        loco = Loco(plus.loco.err_beta, plus.loco.reset_t, block) if plus.loco is not None else None
+        reduce = QuantizedReduce(comm, plus.gradient_bits, block, loco)
     else:
-        reduce = AllToAllReduceScatter(comm) if zero.reduce_scatter else AllReduceKeepRow(comm)
-    if not zero.zero_quantized_nontrainable_weights:
+        reduce = AllToAllReduceScatter(comm) if plus.reduce_scatter else AllReduceKeepRow(comm)
+    if not plus.quantized_frozen_weights:
         return Strategies(forward, backward, reduce, secondary=secondary)
     # Note [quantized frozen weights]: one frozen gather (and hpZ copy) serves both passes
-    hpz = comm.topo.hpz if zero.zero_hpz_partition_size > 1 else None
+    hpz = comm.topo.hpz if plus.hpz_partition_size > 1 else None
     frozen = FrozenGather(comm, hpz)
     return Strategies(FrozenApart(forward, frozen), FrozenApart(backward, frozen, reports_frozen=False), reduce,
                       QuantizedFrozenUnits(8, block), secondary)
-
-
-def _loco(zero: ZeroConfig) -> Optional[Loco]:
-    """LoCo error feedback for qgZ when ``zeropp_loco_param`` is set."""
-    p = zero.zeropp_loco_param
-    return Loco(p.err_beta, p.reset_T, zero.quantization_block_size) if p is not None else None
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -156,15 +151,15 @@ def build(
     compute_dtype, offload = policy.compute_dtype, policy.offload_optimizer
     trainable = {id(p) for p in model_parameters} if model_parameters is not None else None
     make_optimizer = _optimizer_factory(optimizer, dict(model.named_parameters()), cfg, policy)
-    _mark_leaves(model, zero)
+    _mark_leaves(model, policy)
     # NVMe files are created and their space reserved now: a bad path fails before any work
-    residency = build_residency(zero, model, StagePlan(zero.stage).shard_world(topo.world_size), compute_dtype,
-                                topo.rank)
+    residency = build_residency(policy.offload, model, StagePlan(policy.stage).shard_world(topo.world_size),
+                                compute_dtype, topo.rank)
     try:
         link = build_link(_model_device(model), offload or policy.offload_param, policy.pin_memory)
         with init_context.paused():  # built inside zero.Init: the engine is not a module being built
             engine = engine_class(
-                model, topo, ledger, build_strategies(zero, comm), policy, make_optimizer,
+                model, topo, ledger, build_strategies(policy, comm), policy, make_optimizer,
                 make_scheduler=_scheduler_factory(lr_scheduler, lambda opt: build_scheduler(cfg.scheduler, opt)),
                 trainable=trainable,
                 config=cfg,
@@ -202,17 +197,17 @@ def _optimizer_factory(optimizer: Any, named: dict[str, nn.Parameter], cfg: Zero
     return make_optimizer
 
 
-def _mark_leaves(model: nn.Module, zero: ZeroConfig) -> None:
+def _mark_leaves(model: nn.Module, policy: TrainPolicy) -> None:
     """The config's leaf modules (``zero_optimization.leaf_module``): each gathered whole with its subtree."""
-    leaf = zero.leaf_module
+    leaf = policy.leaves
     found = {name for name, mod in model.named_modules() if mod in mark_leaves(model, leaf.classes, leaf.names,
                                                                                  leaf.name_suffixes)}
     missing = [n for n in leaf.names if n not in found]
     missing += [s for s in leaf.name_suffixes if not any(n.endswith(s) for n in found)]
     if missing:
         warnings.warn(f"zero_optimization.leaf_module: no module of the model is named {missing}", stacklevel=3)
-    threshold = zero.stage3_module_granularity_threshold
-    if threshold and zero.stage == 3:
+    threshold = leaf.granularity_threshold
+    if threshold and policy.stage == 3:
         leaves = granular_leaves(model, threshold)
         for module in leaves:
             set_leaf(module)

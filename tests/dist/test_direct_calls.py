@@ -68,12 +68,12 @@ def case(rank: int, world: int, zero: dict) -> dict:
     with torch.inference_mode():  # the first forward ever: the buffers it makes serve the training steps
         evaluated = _train_step(engine, 0, rank).item()
     step(0)
-    spans = sorted(u.module_name for u in engine.use.spans)
+    spans = sorted(u.module_name for u in engine.spans.learned)
     probe = _probe(model)
     left = [u.module_name for u in engine.units if u.state.value != "sharded"]
     step(1)
     return {"probe": probe, "losses": losses, "left_gathered": left, "evaluated": evaluated,
-            "spans_before": spans, "spans_after": sorted(u.module_name for u in engine.use.spans)}
+            "spans_before": spans, "spans_after": sorted(u.module_name for u in engine.spans.learned)}
 
 
 def scenarios(rank: int, world: int) -> dict:

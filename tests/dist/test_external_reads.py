@@ -45,7 +45,7 @@ def train(rank: int, world: int, name: str, cfg: dict) -> dict:
         value = loss.detach().float().reshape(1).clone()
         dist.all_reduce(value)
         losses.append(value.item() / world)
-    return {"losses": losses, "comm": engine.comm_report(), "spans": sorted(u.module_name for u in engine.use.spans),
+    return {"losses": losses, "comm": engine.comm_report(), "spans": sorted(u.module_name for u in engine.spans.learned),
             "numels": [p.numel() for p in engine.module.parameters()],
             "trainable": [p.numel() for p in engine.module.parameters() if p.requires_grad]}
 

@@ -127,7 +127,7 @@ def direct_call_case(rank: int, world: int) -> dict:
     loss = model(x, y)
     engine.backward(loss)
     return {"engine": through_engine, "direct": direct, "trained": loss.item(),
-            "spans": sorted(u.module_name for u in engine.use.spans),
+            "spans": sorted(u.module_name for u in engine.spans.learned),
             "all_sharded": all(u.state.value == "sharded" for u in engine.units)}
 
 

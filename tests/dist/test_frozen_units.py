@@ -18,7 +18,7 @@ from support.hf_models import hf_batch, hf_loss
 from support.lora import lora_llama, train_lora
 from support.world import run_world
 from zeropp.partition.unit import FrozenUnit
-from zeropp.zero.engine import ZeroEngine
+from zeropp.zero import unit_build
 
 WORLD, PER_NODE, MICRO, STEPS = 4, 2, 2, 5
 ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": PER_NODE, "zero_quantized_gradients": True}
@@ -33,12 +33,12 @@ def _engine(zero: dict, seed: int = 0, world: int = WORLD):
 
 def _whole(zero: dict):
     """The engine with each module's parameters in one unit, frozen or not (the layout before frozen units)."""
-    split = ZeroEngine._split_frozen
-    ZeroEngine._split_frozen = lambda self, params: [(params, False)]  # type: ignore[method-assign]
+    split = unit_build._split_frozen
+    unit_build._split_frozen = lambda state, params: [(params, False)]
     try:
         return _engine(zero)
     finally:
-        ZeroEngine._split_frozen = split  # type: ignore[method-assign]
+        unit_build._split_frozen = split
 
 
 def _train(engine, rank: int, steps: int, first: int = 0) -> list[float]:

@@ -1,4 +1,4 @@
-"""Gather groups (``zeropp_coalesced_prefetch``, on by default; Note [gather groups] in ``zero/memory.py``): on one
+"""Gather groups (``zeropp_coalesced_prefetch``, on by default; Note [gather groups] in ``zero/budget.py``): on one
 node, small units are gathered in groups, one all-gather per group, in the order the last pass ran them. Losses are
 those of the same run one unit at a time (an all-gather only moves bytes), the collectives per step fall from one
 per unit to one per group, every collective of small units has one length, the buffers stay within their bound, a

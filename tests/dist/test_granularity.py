@@ -46,7 +46,7 @@ def train(rank: int, world: int, granularity: str, **zero: int) -> dict:
         engine.step()
         losses.append(loss.item())
     return {"losses": losses, "units": len(engine.units), "comm": engine.comm_report(),
-            "kept": sorted(u.module_name for u in engine.units if u in engine.kept),
+            "kept": sorted(u.module_name for u in engine.units if u in engine.state.kept),
             "gathered": sorted(u.module_name for u in engine.units if u.state.value == "gathered")}
 
 

@@ -96,8 +96,8 @@ class _Watched:
     def on_release(self, unit: Any) -> None:
         self._call("on_release", unit)
 
-    def settle(self) -> None:
-        self._call("settle")
+    def check_deferred(self) -> None:
+        self._call("check_deferred")
 
     def held_tensors(self) -> list:
         return self.inner.held_tensors()
@@ -176,7 +176,6 @@ def run_engine(rank: int, world: int, depth: int, force_hop1: bool = False) -> d
     s = engine.strategies
     engine.strategies = type(s)(_Watched(s.forward_gather, rec), _Watched(s.backward_gather, rec),
                                 _Watched(s.reduce, rec))
-    engine.buckets.reduce = engine.strategies.reduce
     _WatchedPending.force_hop1 = force_hop1
     pools = _pools(engine) + [_BucketPool(engine.buckets.pool)]
     out: dict[str, Any] = {"units": len(engine.units), "losses": [], "slabs": [], "bytes": [], "leased": []}

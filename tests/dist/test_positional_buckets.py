@@ -104,7 +104,7 @@ def train(rank: int, world: int, case: str, gas: int) -> dict:
             after = engine.consolidated_state_dict()
             changed = [k for k in before if not torch.equal(before[k], after[k])]
             return {"losses": losses, "error": error, "changed": changed}
-        layouts.append(len(engine.grads.buckets.layout.keys))
+        layouts.append(len(engine.grads.layout.keys))
     engine.close()
     return {"losses": losses, "error": None, "layouts": layouts}
 

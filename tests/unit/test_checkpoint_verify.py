@@ -338,7 +338,7 @@ class _FakeComm:
 
 def _engine(rank: int, other_row: list[int]) -> SimpleNamespace:
     topo = SimpleNamespace(world_size=2, rank=rank, world=None)
-    return SimpleNamespace(topo=topo, comm=_FakeComm(rank, other_row))
+    return SimpleNamespace(state=SimpleNamespace(topo=topo, comm=_FakeComm(rank, other_row)))
 
 
 def test_a_rank_that_did_not_fail_names_the_other_ranks_file_and_problem():
@@ -350,7 +350,7 @@ def test_a_rank_that_did_not_fail_names_the_other_ranks_file_and_problem():
         collective.agree(engine, None, "writing", lambda n: f"/tmp/t/{n}", collective.written_row(None))
     assert not isinstance(info.value, IntegrityError)
     bad = IntegrityError("y", file=MANIFEST, problem="checksum mismatch")
-    failure, _ = collective.settle(_engine(0, collective._row(bad)), None, "loading", lambda n: n)
+    failure, _ = collective.agree_outcome(_engine(0, collective._row(bad)), None, "loading", lambda n: n)
     assert failure.integrity and isinstance(failure.error, IntegrityError)
     assert "rank 1: manifest.json: checksum mismatch" in str(failure.error)
 
@@ -394,14 +394,14 @@ def test_agreement_on_a_candidate_never_lets_one_rank_skip_alone():
     cand = Candidate("new", "/ckpt/new")
     crc = zlib.crc32(b"new")
     misfit = collective._row(CheckpointError("model does not match")) + [crc]
-    settle = collective._settle_on_every_rank(_engine(0, misfit), "loading")
+    settle = collective._outcome_on_every_rank(_engine(0, misfit), "loading")
     got = settle(IntegrityError("torn", file=shard_name(0), problem="truncated"), cand)
     assert isinstance(got, CheckpointError) and not isinstance(got, IntegrityError) and "torn" in str(got)
     with pytest.raises(CheckpointError, match="torn"):
         resolve.read_first_good(resolve.Candidates("/ckpt", latest=cand), lambda d: 1 / 0, lambda e, c: got)
     elsewhere = collective._row(None) + [zlib.crc32(b"old")]  # the ranks' fall back orders differ
     with pytest.raises(CheckpointError, match="the ranks tried different tags"):
-        collective._settle_on_every_rank(_engine(0, elsewhere), "loading")(None, cand)
+        collective._outcome_on_every_rank(_engine(0, elsewhere), "loading")(None, cand)
 
 
 # ---- work a load does not need ---------------------------------------------------------------------------

@@ -350,7 +350,7 @@ def test_auto_precision_follows_the_cpu_and_says_so_first(monkeypatch: pytest.Mo
     from zeropp.tools.demo import cpu
     monkeypatch.setattr(cpu, "bf16_speed", lambda: cpu.Bf16Speed(fast, "because the test says so"))
     args = _train_subparser().parse_args([])
-    cli._settle_precision(args)
+    cli._choose_precision(args)
     out = capsys.readouterr().out.splitlines()
     assert args.precision == ("bf16" if fast else "fp32")
     if fast:
@@ -359,7 +359,7 @@ def test_auto_precision_follows_the_cpu_and_says_so_first(monkeypatch: pytest.Mo
         assert len(out) == 1 and "training in fp32" in out[0] and "because the test says so" in out[0]
     # a user's config keeps its precision: auto decides nothing there
     args = _train_subparser().parse_args(["--config", "c.json"])
-    cli._settle_precision(args)
+    cli._choose_precision(args)
     assert args.precision == "auto"
 
 

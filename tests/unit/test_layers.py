@@ -111,10 +111,10 @@ def _typing_only(tree: ast.AST) -> set[int]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Each module of the package -> the package's modules it imports at run time, at any depth of its body.
-    ``from a.b import c`` is an edge to ``a.b.c`` where that is a module (a package's ``__init__`` that only
-    names its modules is no dependency of theirs), else to ``a.b``."""
+def import_graph(typing_too: bool = False) -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports at run time, at any depth of its body
+    (``typing_too``: and under ``if TYPE_CHECKING:``). ``from a.b import c`` is an edge to ``a.b.c`` where that is
+    a module (a package's ``__init__`` that only names its modules is no dependency of theirs), else to ``a.b``."""
     paths = {module: path for path, module in _sources(*[p.name for p in SRC.iterdir() if p.is_dir()])}
     paths.update({_module_name(p): p for p in SRC.glob("*.py")})
     graph: dict[str, set[str]] = {}
@@ -125,7 +125,7 @@ def import_graph() -> dict[str, set[str]]:
         typing_lines = {n.lineno for n in ast.walk(tree) if id(n) in skip and hasattr(n, "lineno")}
         deps = set()
         for line, name in imported_modules(source, module, is_package=path.name == "__init__.py"):
-            if line in typing_lines:
+            if line in typing_lines and not typing_too:
                 continue
             while name and name not in paths:
                 name = name.rpartition(".")[0]
@@ -183,6 +183,24 @@ def _package(module: str) -> str:
 
 def test_no_module_imports_itself_round_a_cycle() -> None:
     assert not cycles(import_graph())
+
+
+def test_no_cycle_even_through_annotations() -> None:
+    # imports under `if TYPE_CHECKING:` count too: an annotation that needs a cycle is a dependency that goes up
+    assert not cycles(import_graph(typing_too=True))
+
+
+#: functions over an engine take its state (zero/state.py), never the engine's module (Note [engine state])
+OVER_THE_ENGINE = ("zeropp.zero.reports", "zeropp.zero.memory", "zeropp.zero.gathered", "zeropp.zero.teardown",
+                   "zeropp.zero.consolidated", "zeropp.zero.param_state")
+
+
+def test_functions_over_the_engine_do_not_import_it() -> None:
+    graph = import_graph(typing_too=True)
+    over = [m for m in graph if m in OVER_THE_ENGINE or _is_checkpoint(m)]
+    assert len(over) >= len(OVER_THE_ENGINE) + 5  # not vacuous: the modules and checkpoint/ are there
+    found = [m for m in over if "zeropp.zero.engine" in graph[m]]
+    assert not found, f"these import zeropp.zero.engine (take zeropp.zero.state's EngineState/EngineHandle): {found}"
 
 
 def test_no_two_packages_import_each_other() -> None:

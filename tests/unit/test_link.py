@@ -32,13 +32,13 @@ def test_threaded_download_is_poisoned_until_waited_and_reads_the_source_late():
     assert link.copies == 1 and t.done
 
 
-def test_threaded_upload_poisons_the_destination_and_settle_waits_for_it():
+def test_threaded_upload_poisons_the_destination_and_wait_uploads_waits_for_it():
     link = ThreadedLink(delay=0.05)
     src = torch.full((4,), 3.0)
     dst = torch.zeros(4, dtype=torch.int32)
     t = link.upload(src, dst)
     assert torch.equal(dst, torch.full((4,), -1, dtype=torch.int32))
-    link.settle()
+    link.wait_uploads()
     assert torch.equal(dst, torch.full((4,), 3, dtype=torch.int32)) and link.copies == 1
     assert t.wait() is dst
 
@@ -48,7 +48,7 @@ def test_threaded_copies_run_in_request_order():
     dst = torch.zeros(3)
     for value in (1.0, 2.0, 3.0):
         link.upload(torch.full((3,), value), dst)
-    link.settle()
+    link.wait_uploads()
     assert torch.equal(dst, torch.full((3,), 3.0))
 
 

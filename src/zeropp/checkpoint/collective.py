@@ -28,7 +28,7 @@ from zeropp.checkpoint.format import (
     LATEST, MANIFEST, CheckpointError, CheckpointWarning, IntegrityError, Written, describe_errno, shard_name,
     shard_rank_of,
 )
-from zeropp.checkpoint.resolve import Candidate, Settle, candidates, no_checkpoint_reason, read_first_good, read_tag
+from zeropp.checkpoint.resolve import Candidate, Outcome, candidates, no_checkpoint_reason, read_first_good, read_tag
 from zeropp.comm.ledger import Phase
 
 T = TypeVar("T")
@@ -41,18 +41,18 @@ _MANIFEST_CODE, _LATEST_CODE, _OTHER_CODE = -1, -2, -3
 
 def exchange(engine: Any, row: Sequence[int]) -> list[list[int]]:
     """Every rank's ``row`` (same length on all ranks), in rank order: one int64 all-reduce."""
-    table = torch.zeros(engine.topo.world_size, len(row), dtype=torch.int64)
-    table[engine.topo.rank] = torch.tensor(list(row), dtype=torch.int64)
-    engine.comm.all_reduce(table, engine.topo.world, Phase.OTHER)
+    table = torch.zeros(engine.state.topo.world_size, len(row), dtype=torch.int64)
+    table[engine.state.topo.rank] = torch.tensor(list(row), dtype=torch.int64)
+    engine.state.comm.all_reduce(table, engine.state.topo.world, Phase.OTHER)
     return table.tolist()
 
 
 def shared_nonce(engine: Any) -> str:
     """A per-save id that rank 0 draws and every rank receives (recorded in the manifest and every shard)."""
     # os.urandom, not torch: drawing from torch's generator would change the RNG state being saved
-    value = torch.tensor([int.from_bytes(os.urandom(6), "little") if engine.topo.rank == 0 else 0],
+    value = torch.tensor([int.from_bytes(os.urandom(6), "little") if engine.state.topo.rank == 0 else 0],
                          dtype=torch.int64)
-    engine.comm.broadcast(value, 0, engine.topo.world, Phase.OTHER)
+    engine.state.comm.broadcast(value, 0, engine.state.topo.world, Phase.OTHER)
     return f"{int(value.item()):012x}"
 
 
@@ -99,7 +99,7 @@ def _as_checkpoint_error(error: BaseException, what: str, rank: int) -> Checkpoi
     return wrapped
 
 
-def settle(engine: Any, error: Optional[BaseException], what: str, locate: Callable[[str], str],
+def agree_outcome(engine: Any, error: Optional[BaseException], what: str, locate: Callable[[str], str],
            extra: Sequence[int] = ()) -> tuple[Optional[Failure], list[list[int]]]:
     """Share this rank's outcome (and ``extra``); the agreed :class:`Failure`, or None, and every rank's extra."""
     rows = exchange(engine, _row(error) + list(extra))
@@ -109,7 +109,7 @@ def settle(engine: Any, error: Optional[BaseException], what: str, locate: Calla
         return None, extras
     integrity = all(rows[r][1] for r in bad)
     if error is not None:
-        error = _as_checkpoint_error(error, what, engine.topo.rank)
+        error = _as_checkpoint_error(error, what, engine.state.topo.rank)
     else:
         first = rows[bad[0]]
         name = _file_name(first[3])
@@ -124,7 +124,7 @@ def settle(engine: Any, error: Optional[BaseException], what: str, locate: Calla
 def agree(engine: Any, error: Optional[BaseException], what: str,
           locate: Callable[[str], str] = lambda name: name, extra: Sequence[int] = ()) -> list[list[int]]:
     """Raise on every rank if any rank failed (Note [one outcome for all ranks]); else every rank's extra."""
-    failure, extras = settle(engine, error, what, locate, extra)
+    failure, extras = agree_outcome(engine, error, what, locate, extra)
     if failure is not None:
         raise failure.error
     return extras
@@ -143,12 +143,12 @@ def written_of(row: Sequence[int]) -> Written:
 
 
 # ---- the load every rank agrees on -----------------------------------------------------------------------
-def _settle_on_every_rank(engine: Any, what: str, falls_back: bool = True) -> Settle:
-    """``resolve``'s :data:`Settle` through the agreement: every rank acts on the same outcome of the same tag
+def _outcome_on_every_rank(engine: Any, what: str, falls_back: bool = True) -> Outcome:
+    """``resolve``'s :data:`Outcome` through the agreement: every rank acts on the same outcome of the same tag
     (``falls_back``: a ``tag=None`` load, where an :class:`IntegrityError` means "skip this tag")."""
 
-    def settle_candidate(error: Optional[BaseException], cand: Candidate) -> Optional[BaseException]:
-        failure, extras = settle(engine, error, what, lambda name: os.path.join(cand.tag_dir, name),
+    def outcome_of(error: Optional[BaseException], cand: Candidate) -> Optional[BaseException]:
+        failure, extras = agree_outcome(engine, error, what, lambda name: os.path.join(cand.tag_dir, name),
                                  [zlib.crc32(cand.tag.encode())])
         if any(e != extras[0] for e in extras):  # the fall back's order comes from each rank's own reads
             raise CheckpointError(f"{what}: the ranks tried different tags at once in {os.path.dirname(cand.tag_dir)}: "
@@ -163,7 +163,7 @@ def _settle_on_every_rank(engine: Any, what: str, falls_back: bool = True) -> Se
             return plain
         return failure.error
 
-    return settle_candidate
+    return outcome_of
 
 
 def agreed_load(engine: Any, load_dir: str, tag: Optional[str], read: Callable[[str], T],
@@ -172,7 +172,7 @@ def agreed_load(engine: Any, load_dir: str, tag: Optional[str], read: Callable[[
     every rank reads without an :class:`IntegrityError` (``resolve.py``); None, with a warning, when
     ``load_dir`` is missing or holds no complete tag (DeepSpeed's resume idiom). Raises on every rank."""
     if tag is not None:
-        cand, result = read_tag(load_dir, tag, read, _settle_on_every_rank(engine, what, falls_back=False))
+        cand, result = read_tag(load_dir, tag, read, _outcome_on_every_rank(engine, what, falls_back=False))
         return cand.tag_dir, result
     found = candidates(load_dir)
     view = found.fingerprint().encode()
@@ -184,5 +184,5 @@ def agreed_load(engine: Any, load_dir: str, tag: Optional[str], read: Callable[[
         warnings.warn(f"zeropp: no checkpoint to resume from: {no_checkpoint_reason(found)}; load_checkpoint "
                       "returns (None, None)", CheckpointWarning, stacklevel=3)
         return None
-    cand, result = read_first_good(found, read, _settle_on_every_rank(engine, what))
+    cand, result = read_first_good(found, read, _outcome_on_every_rank(engine, what))
     return cand.tag_dir, result

@@ -2,7 +2,7 @@
 
 Functions over an engine (the engine's ``save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model`` call
 them); every rank must call them together.
-The dependency runs one way: this module reads the state ``ZeroEngine`` exposes, and ``zeropp.zero`` never
+The dependency runs one way: this module reads the engine's state (``EngineHandle``), and ``zeropp.zero`` never
 imports ``zeropp.checkpoint`` (tests/unit/test_layers.py). The directory layout and the atomicity argument
 are in ``format.py`` (Note [checkpoint atomicity]).
 
@@ -53,7 +53,8 @@ from zeropp.checkpoint.reshard import read_ranges
 from zeropp.checkpoint.safe_io import encode, write_tree
 from zeropp.checkpoint.verify import check_files, open_shard
 from zeropp.plus.loco import Shape, map_states
-from zeropp.zero.engine import ZeroEngine
+from zeropp.zero.consolidated import consolidated_state_dict
+from zeropp.zero.state import EngineHandle
 
 
 
@@ -66,31 +67,31 @@ from zeropp.zero.engine import ZeroEngine
 # stages 1-3, or consolidating, reads the right values with no special case. The other way, a stage-0 engine
 # takes the whole parameter, range (0, chunk), from any checkpoint; a layout change always goes through the
 # re-sharding path, even on the same world size, since the shard files' chunks differ from the engine's.
-def _sharded(engine: ZeroEngine) -> bool:
+def _sharded(engine: EngineHandle) -> bool:
     """Whether the engine cuts its masters and optimizer state over the ranks (stages 1-3, not stage 0)."""
-    return bool(engine.plan.shards_optimizer)
+    return bool(engine.state.plan.shards_optimizer)
 
 
 # ---- save ------------------------------------------------------------------------------------------------
-def _shard_payload(engine: ZeroEngine, params: list[Param], client_state: Any, nonce: str) -> dict:
+def _shard_payload(engine: EngineHandle, params: list[Param], client_state: Any, nonce: str) -> dict:
     saved = {p.name for p in params}
-    mid_accumulation = engine.micro_steps % engine.policy.gradient_accumulation_steps != 0
+    mid_accumulation = engine.micro_steps % engine.state.policy.gradient_accumulation_steps != 0
     sched = engine.lr_scheduler
     return {
         "format_version": FORMAT_VERSION,
         "nonce": nonce,  # the manifest's too: a shard of another save is named as such (verify.open_shard)
-        "rank": engine.topo.rank,
-        "world_size": engine.topo.world_size,
+        "rank": engine.state.topo.rank,
+        "world_size": engine.state.topo.world_size,
         "params": {p.name: p.master for p in params},  # views: torch.save writes each unit's row once
         "grads": {p.name: p.grad for p in params} if mid_accumulation else None,
         "optimizer": engine.master_optimizer.state_dict(),
         "scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
         "counters": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps},
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-        "reduce_state": {"shape": [engine.topo.num_nodes, engine.topo.ranks_per_node],
-                         "state": engine.strategies.reduce.state_dict()},
+        "reduce_state": {"shape": [engine.state.topo.num_nodes, engine.state.topo.ranks_per_node],
+                         "state": engine.state.strategies.reduce.state_dict()},
         # frozen units kept as int8: their exact rows (the fp32 "params" above are their dequantized values)
-        "frozen_rows": {str(u.index): u.quantized_state() for u in engine.units
+        "frozen_rows": {str(u.index): u.quantized_state() for u in engine.state.units
                         if u.quantized_state() is not None and any(s.name in saved for s in u.slots)},
         "rng": rng_state(),
         "buffers": {k: t.detach() for k, t in engine_buffers(engine).items()},
@@ -98,8 +99,8 @@ def _shard_payload(engine: ZeroEngine, params: list[Param], client_state: Any, n
     }
 
 
-def _config_json(engine: ZeroEngine) -> Any:
-    cfg = engine.config  # None when the engine was built without initialize
+def _config_json(engine: EngineHandle) -> Any:
+    cfg = engine.state.config  # None when the engine was built without initialize
     if cfg is None:
         return None
     if hasattr(cfg, "model_dump"):
@@ -110,9 +111,9 @@ def _config_json(engine: ZeroEngine) -> Any:
         return repr(cfg)
 
 
-def _manifest(engine: ZeroEngine, tag: str, params: list[Param], shards: list[Written], nonce: str) -> dict:
-    topo, policy, sched = engine.topo, engine.policy, engine.lr_scheduler
-    excluded = {s.name for u in engine.units for s in u.slots} - {p.name for p in params}
+def _manifest(engine: EngineHandle, tag: str, params: list[Param], shards: list[Written], nonce: str) -> dict:
+    topo, policy, sched = engine.state.topo, engine.state.policy, engine.lr_scheduler
+    excluded = {s.name for u in engine.state.units for s in u.slots} - {p.name for p in params}
     keys = []
     names_by_alias = {a: p.name for p in params for a in p.aliases}
     for key in engine.module.state_dict(keep_vars=True):
@@ -130,7 +131,7 @@ def _manifest(engine: ZeroEngine, tag: str, params: list[Param], shards: list[Wr
             "compute_dtype": str(policy.compute_dtype).removeprefix("torch."),
             "gradient_accumulation_steps": policy.gradient_accumulation_steps,
             "gradient_clipping": policy.gradient_clipping,
-            "strategies": {k: type(getattr(engine.strategies, k)).__name__
+            "strategies": {k: type(getattr(engine.state.strategies, k)).__name__
                            for k in ("forward_gather", "backward_gather", "reduce")},
             "optimizer": type(engine.master_optimizer).__name__,
             "scheduler": type(sched).__name__ if sched is not None else None,
@@ -149,7 +150,7 @@ def _manifest(engine: ZeroEngine, tag: str, params: list[Param], shards: list[Wr
     }
 
 
-def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None,
+def save_checkpoint(engine: EngineHandle, save_dir: str, tag: Optional[str] = None,
                     client_state: Any = None, save_latest: bool = True, exclude_frozen: bool = False) -> str:
     """Write this rank's shard (and, on rank 0, the manifest and ``latest``); returns the tag directory.
 
@@ -160,19 +161,19 @@ def save_checkpoint(engine: ZeroEngine, save_dir: str, tag: Optional[str] = None
     keeps the values the model holds for them.
     """
     engine.join_update()
-    with engine.residency.resident(engine.units, dirty=False):  # NVMe: the rank's whole state, read back
+    with engine.state.residency.resident(engine.state.units, dirty=False):  # NVMe: the rank's whole state, read back
         return _save(engine, save_dir, tag, client_state, save_latest, exclude_frozen)
 
 
-def _save(engine: ZeroEngine, save_dir: str, tag: Optional[str], client_state: Any, save_latest: bool,
+def _save(engine: EngineHandle, save_dir: str, tag: Optional[str], client_state: Any, save_latest: bool,
           exclude_frozen: bool) -> str:
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
-    rank, save_dir = engine.topo.rank, os.path.abspath(save_dir)
+    rank, save_dir = engine.state.topo.rank, os.path.abspath(save_dir)
     nonce = shared_nonce(engine)
     tmp_dir, final = os.path.join(save_dir, f".{tag}.tmp-{nonce}"), os.path.join(save_dir, tag)
     params = engine_params(engine, writing=False)
     if exclude_frozen:
-        frozen = {s.name for u in engine.units for s in u.slots if not s.param.requires_grad}
+        frozen = {s.name for u in engine.state.units for s in u.slots if not s.param.requires_grad}
         params = [p for p in params if p.name not in frozen]
     error: Optional[BaseException] = None
     written: Optional[Written] = None
@@ -208,7 +209,7 @@ def _save(engine: ZeroEngine, save_dir: str, tag: Optional[str], client_state: A
     return final
 
 
-def _publish(engine: ZeroEngine, tag: str, params: list[Param], shards: list[Written], tmp_dir: str, final: str,
+def _publish(engine: EngineHandle, tag: str, params: list[Param], shards: list[Written], tmp_dir: str, final: str,
              nonce: str, save_latest: bool) -> None:
     """Rank 0, once every shard is on disk: manifest, then one directory rename, then ``latest``."""
     save_dir = os.path.dirname(final)
@@ -232,16 +233,16 @@ def _publish(engine: ZeroEngine, tag: str, params: list[Param], shards: list[Wri
 
 
 # ---- load ------------------------------------------------------------------------------------------------
-def _reduce_state(engine: ZeroEngine, manifest: Manifest, rank: int, params: list[Param],
+def _reduce_state(engine: EngineHandle, manifest: Manifest, rank: int, params: list[Param],
                   own: Optional[dict]) -> Optional[dict]:
     """The reduce strategy's state for this rank, or None when it keeps none. LoCo's kept errors are taken
     as saved on the same topology (``own``: this rank's saved entry, read with its shard), mapped from every
     old rank's on another (Note [mapping kept errors] in ``plus/loco.py``), and start from zero, with a
     warning, when the checkpoint has none."""
-    current = engine.strategies.reduce.state_dict()
+    current = engine.state.strategies.reduce.state_dict()
     if not current:
         return None
-    topo = engine.topo
+    topo = engine.state.topo
     shape = Shape(topo.num_nodes, topo.ranks_per_node)
     if own is not None and own.get("shape") == [shape.nodes, shape.per_node] and "loco" in own.get("state", {}):
         return own["state"]
@@ -276,7 +277,7 @@ def _read_resharded(manifest: Manifest, params: list[Param], rank: int, with_opt
                    head.get("buffers", {}), head.get("client_state"), head.get("loss_scaler"))
 
 
-def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None,
+def load_checkpoint(engine: EngineHandle, load_dir: str, tag: Optional[str] = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, strict: bool = True) -> tuple[Optional[str], Any]:
     """Restore the engine from ``load_dir/tag``; ``(path, client_state)``, or ``(None, None)`` (see below).
@@ -292,13 +293,13 @@ def load_checkpoint(engine: ZeroEngine, load_dir: str, tag: Optional[str] = None
     """
     what = What(load_optimizer_states, load_lr_scheduler_states, load_module_only, strict)
     engine.join_update()
-    with engine.residency.resident(engine.units):  # NVMe: in memory while loading, written back after
+    with engine.state.residency.resident(engine.state.units):  # NVMe: in memory while loading, written back after
         return _load(engine, load_dir, tag, what)
 
 
-def _load(engine: ZeroEngine, load_dir: str, tag: Optional[str], what: What) -> tuple[Optional[str], Any]:
+def _load(engine: EngineHandle, load_dir: str, tag: Optional[str], what: What) -> tuple[Optional[str], Any]:
     every = engine_params(engine)
-    rank = engine.topo.rank
+    rank = engine.state.topo.rank
     with_optimizer = what.optimizer and not what.module_only
     loading: list[list[Param]] = [every]  # those the checkpoint holds (a save may leave frozen ones out)
 
@@ -309,7 +310,7 @@ def _load(engine: ZeroEngine, load_dir: str, tag: Optional[str], what: What) -> 
             check_files(manifest)
         params = loading[0] = _held_by(manifest, engine, every, what.strict)
         check_model(manifest, params, type(engine.master_optimizer).__name__ if with_optimizer else None)
-        if manifest.world_size == engine.topo.world_size and manifest.sharded == _sharded(engine):
+        if manifest.world_size == engine.state.topo.world_size and manifest.sharded == _sharded(engine):
             loaded, source = _read_same_world(manifest, rank, params), manifest.shard_path(rank)
         else:  # buffers, param groups and scalars come from rank 0's file (Note [stage 0 checkpoints])
             shard_rank = rank if _sharded(engine) else 0
@@ -331,7 +332,7 @@ def _load(engine: ZeroEngine, load_dir: str, tag: Optional[str], what: What) -> 
     return path, loaded.client_state
 
 
-def _held_by(manifest: Manifest, engine: ZeroEngine, params: list[Param], strict: bool) -> list[Param]:
+def _held_by(manifest: Manifest, engine: EngineHandle, params: list[Param], strict: bool) -> list[Param]:
     """``params`` less those the save left out as frozen, which must be frozen here too (their values stay)."""
     excluded = manifest.excluded_frozen
     if not excluded:
@@ -340,7 +341,7 @@ def _held_by(manifest: Manifest, engine: ZeroEngine, params: list[Param], strict
         raise CheckpointError(f"checkpoint {manifest.path} was saved without the frozen parameters "
                               f"{sorted(excluded)[:3]}{' ...' if len(excluded) > 3 else ''}: load it non-strict "
                               "(load_module_strict=False), which keeps the model's own values for them")
-    trains = {s.name for u in engine.units for s in u.slots if s.param.requires_grad} & excluded
+    trains = {s.name for u in engine.state.units for s in u.slots if s.param.requires_grad} & excluded
     if trains:
         raise CheckpointError(f"checkpoint {manifest.path} was saved without the frozen parameters "
                               f"{sorted(trains)[:3]}, which this model trains: load a checkpoint that holds them")
@@ -359,16 +360,16 @@ def in_compute_dtype(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
     return out
 
 
-def save_16bit_model(engine: ZeroEngine, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
+def save_16bit_model(engine: EngineHandle, save_dir: str, save_filename: str = "pytorch_model.bin") -> str:
     """Gather the full weights (every rank must call) and write them in the compute dtype from rank 0."""
     from zeropp.checkpoint.consolidate import write_state_dict
 
-    state = engine.consolidated_state_dict()
+    state = consolidated_state_dict(engine)
     out = os.path.join(os.path.abspath(save_dir), save_filename)
     error: Optional[BaseException] = None
-    if engine.topo.rank == 0:
+    if engine.state.topo.rank == 0:
         try:
-            state = in_compute_dtype(state, engine.policy.compute_dtype)
+            state = in_compute_dtype(state, engine.state.policy.compute_dtype)
             os.makedirs(save_dir, exist_ok=True)
             write_state_dict(state, out)
         except Exception as err:  # noqa: BLE001

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from zeropp.zero.engine import ZeroEngine
+from zeropp.zero.state import EngineHandle
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Param:
     optimizer_index: Optional[int]
 
 
-def engine_params(engine: ZeroEngine, writing: bool = True) -> list[Param]:
+def engine_params(engine: EngineHandle, writing: bool = True) -> list[Param]:
     """The engine's parameters; ``writing=False`` (a save) reads a frozen int8 unit's values as copies, where
     a load gets the views it writes and ``masters_changed`` re-quantizes (``plus/frozen.py``)."""
     opt_index = {id(t): i for i, t in enumerate(p for g in engine.master_optimizer.param_groups for p in g["params"])}
@@ -38,16 +38,16 @@ def engine_params(engine: ZeroEngine, writing: bool = True) -> list[Param]:
     for key, t in engine.module.state_dict(keep_vars=True).items():
         aliases.setdefault(id(t), []).append(key)
     out = []
-    for u in engine.units:
+    for u in engine.state.units:
         masters = u.master_views() if writing else u.master_values()
         for slot, master, grad in zip(u.slots, masters, u.grad_views()):
             out.append(Param(slot.name, aliases.get(id(slot.param), [slot.name]), tuple(slot.spec.shape),
                               slot.spec.numel, u.index, slot.spec.chunk, master, grad, opt_index.get(id(master))))
     return out
 
-def engine_buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+def engine_buffers(engine: EngineHandle) -> dict[str, torch.Tensor]:
     """State-dict entries that are not sharded parameters (buffers), as this rank holds them."""
-    params = {id(s.param) for u in engine.units for s in u.slots}
+    params = {id(s.param) for u in engine.state.units for s in u.slots}
     return {k: t for k, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in params}
 
 @dataclass
@@ -66,7 +66,7 @@ class Loaded:
     reduce_state: Optional[dict] = None  # as saved, then the reduce strategy's state for this topology
     frozen_rows: Optional[dict] = None  # same world: the int8 rows of frozen units, by unit index
 
-def apply_loaded(engine: ZeroEngine, params: list[Param], loaded: Loaded, what: "What") -> None:
+def apply_loaded(engine: EngineHandle, params: list[Param], loaded: Loaded, what: "What") -> None:
     with torch.no_grad():
         for p in params:
             p.master.copy_(loaded.masters[p.name])
@@ -79,7 +79,7 @@ def apply_loaded(engine: ZeroEngine, params: list[Param], loaded: Loaded, what: 
             if key in live:
                 live[key].copy_(value)
     engine.masters_changed()  # recast 16-bit shards, drop hpZ slices, rebuild resident weights (stages 1-2)
-    for u in engine.units:  # same world: the saved int8 bytes themselves, not a re-quantization of their values
+    for u in engine.state.units:  # same world: the saved int8 bytes themselves, not a re-quantization of their values
         row = (loaded.frozen_rows or {}).get(str(u.index))
         held = u.quantized_state()
         if held is not None and isinstance(row, torch.Tensor) and row.shape == held.shape and row.dtype == held.dtype:
@@ -89,7 +89,7 @@ def apply_loaded(engine: ZeroEngine, params: list[Param], loaded: Loaded, what: 
     if loaded.loss_scaler is not None and engine.loss_scaler is not None:
         engine.loss_scaler.load_state_dict(loaded.loss_scaler)
     if loaded.reduce_state is not None:
-        engine.strategies.reduce.load_state_dict(loaded.reduce_state)
+        engine.state.strategies.reduce.load_state_dict(loaded.reduce_state)
     if what.optimizer:
         engine.master_optimizer.load_state_dict(loaded.optimizer)
     if what.scheduler and loaded.scheduler is not None and engine.lr_scheduler is not None:

@@ -9,7 +9,7 @@ would only hide it. ``latest`` itself never names an incomplete tag (Note [check
 back covers what happens to files after the save: a corrupted shard, a deleted tag, a lost ``latest``.
 
 One loop serves both kinds of reader: :func:`read_with_fallback` (and :func:`read_first_good`) take a
-``settle(error, candidate)`` callback that turns this process's outcome of reading a candidate into the
+``outcome(error, candidate)`` callback that turns this process's outcome of reading a candidate into the
 outcome to act on. A single process acts on its own (:func:`alone`); the engine's ranks agree first
 (``collective.agreed_load``), since a damaged file may be seen by one rank only.
 
@@ -133,18 +133,18 @@ def fallback_warning(load_dir: str, loaded: Candidate, skipped: list[str]) -> st
 
 
 # ---- reading: one loop, settled alone or by every rank together -----------------------------------------
-#: ``settle(error, candidate)``: this process's outcome of reading ``candidate`` (its exception, or None) ->
+#: ``outcome(error, candidate)``: this process's outcome of reading ``candidate`` (its exception, or None) ->
 #: the error to act on (None: it was read). An :class:`IntegrityError` falls back past the candidate; any
 #: other error is raised. The engine's ranks pass ``collective``'s agreement here, so that they all act alike.
-Settle = Callable[[Optional[BaseException], Candidate], Optional[BaseException]]
+Outcome = Callable[[Optional[BaseException], Candidate], Optional[BaseException]]
 
 
 def alone(error: Optional[BaseException], candidate: Candidate) -> Optional[BaseException]:
-    """The :data:`Settle` of a single process: its own outcome is the outcome."""
+    """The :data:`Outcome` of a single process: its own outcome is the outcome."""
     return error
 
 
-def read_tag(load_dir: str, tag: str, read: Callable[[str], T], settle: Settle = alone) -> tuple[Candidate, T]:
+def read_tag(load_dir: str, tag: str, read: Callable[[str], T], outcome: Outcome = alone) -> tuple[Candidate, T]:
     """``read(tag_dir)`` of tag ``tag`` (or the copy a re-save set aside); any error is raised, never skipped."""
     cand = Candidate(str(tag), os.path.join(load_dir, str(tag)))  # named in errors if it cannot be resolved
     result, error = None, None
@@ -153,13 +153,13 @@ def read_tag(load_dir: str, tag: str, read: Callable[[str], T], settle: Settle =
         result = read(cand.tag_dir)
     except Exception as err:  # noqa: BLE001 - settled (with the other ranks) below
         error = err
-    error = settle(error, cand)
+    error = outcome(error, cand)
     if error is not None:
         raise error
     return cand, result  # type: ignore[return-value]
 
 
-def read_first_good(found: Candidates, read: Callable[[str], T], settle: Settle = alone) -> tuple[Candidate, T]:
+def read_first_good(found: Candidates, read: Callable[[str], T], outcome: Outcome = alone) -> tuple[Candidate, T]:
     """``read(tag_dir)`` of the first of ``found`` whose settled outcome is not an :class:`IntegrityError`;
     warns naming each tag skipped (and the ``latest`` notes) once one is read. Raises any other error at
     once, and an :class:`IntegrityError` listing every candidate's problem when all fail verification."""
@@ -170,7 +170,7 @@ def read_first_good(found: Candidates, read: Callable[[str], T], settle: Settle 
             result = read(cand.tag_dir)
         except Exception as err:  # noqa: BLE001 - settled (with the other ranks) below
             error = err
-        error = settle(error, cand)
+        error = outcome(error, cand)
         if error is None:
             if skipped:
                 warnings.warn(fallback_warning(found.load_dir, cand, skipped), CheckpointWarning, stacklevel=4)
@@ -182,15 +182,15 @@ def read_first_good(found: Candidates, read: Callable[[str], T], settle: Settle 
 
 
 def read_with_fallback(load_dir: str, tag: Optional[str], read: Callable[[str], T],
-                       settle: Settle = alone) -> tuple[Candidate, T]:
+                       outcome: Outcome = alone) -> tuple[Candidate, T]:
     """``read(tag_dir)`` of tag ``tag``, or with ``tag=None`` of the first candidate that passes verification.
 
     Raises :class:`CheckpointError` when there is nothing to read, and :class:`IntegrityError` listing every
     candidate's problem when all fail verification.
     """
     if tag is not None:
-        return read_tag(load_dir, tag, read, settle)
+        return read_tag(load_dir, tag, read, outcome)
     found = candidates(load_dir)
     if not found:
         raise CheckpointError(f"no checkpoint to load: {no_checkpoint_reason(found)}")
-    return read_first_good(found, read, settle)
+    return read_first_good(found, read, outcome)

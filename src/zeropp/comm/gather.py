@@ -241,7 +241,7 @@ class AllGather:
     def on_release(self, unit: Unit) -> None:
         pass
 
-    def settle(self) -> None:
+    def check_deferred(self) -> None:
         pass
 
     def held_tensors(self) -> list[torch.Tensor]:

@@ -54,7 +54,7 @@ class GatherStrategy(Protocol):
     def on_release(self, unit: Unit) -> None:
         """Called while ``unit`` is still gathered, just before its full weights are freed."""
 
-    def settle(self) -> None:
+    def check_deferred(self) -> None:
         """Raise what the gathers since the last call found wrong but did not raise at once: qwZ's inf/nan
         weights on CUDA, checked once per pass instead of once per unit (Note [deferred weight checks] in
         ``plus/qwz.py``). The engine calls it at the end of each forward and backward (and after stages 0-2
@@ -117,4 +117,4 @@ class ReduceStrategy(Protocol):
 
     def buffer_bound(self, elements: int, segments: int, itemsize: int) -> int:
         """Most bytes of buffers one bucket in flight needs: ``elements`` padded elements of ``itemsize`` bytes
-        in at most ``segments`` parameters (Note [buffer bounds] in ``zero/memory.py``)."""
+        in at most ``segments`` parameters (Note [buffer bounds] in ``zero/reports.py``)."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from zeropp.config.loader import ZeroppConfig
-from zeropp.config.schema import ZeroConfig
+from zeropp.config.schema import DEFAULT_LEAF_CLASSES, ZeroConfig
 from zeropp.partition.spec import ShardSpec
 
 
@@ -97,16 +97,73 @@ class LossScaling:
 
 
 @dataclass(frozen=True)
-class TrainPolicy:
-    """The settings of a training step, settled (:func:`resolve`)."""
+class Loco:
+    """LoCo error feedback for qgZ (``zeropp_loco_param``)."""
 
+    err_beta: float = 0.8
+    reset_t: int = 1024
+
+
+@dataclass(frozen=True)
+class CommSettings:
+    """Which gather and reduce strategies ``zeropp.api.build_strategies`` picks: ZeRO++ and the plain reduction."""
+
+    quantized_weights: bool = False  # qwZ (zero_quantized_weights)
+    weight_bits: int = 8
+    block_size: int = 2048  # elements per quantization block (quantization_block_size)
+    hpz_partition_size: int = 1  # hpZ's secondary group (zero_hpz_partition_size); 1: off
+    quantized_gradients: bool = False  # qgZ (zero_quantized_gradients)
+    gradient_bits: int = 4
+    loco: Optional[Loco] = None  # LoCo error feedback for qgZ
+    reduce_scatter: bool = True  # gradients reduce-scattered (else all-reduced, each rank keeping its row)
+    quantized_frozen_weights: bool = False  # zero_quantized_nontrainable_weights
+
+
+@dataclass(frozen=True)
+class NvmeFile:
+    """A per-rank NVMe offload file's directory and its in-memory buffers."""
+
+    path: str
+    key: str  # the config key that named the path, for errors
+    buffer_count: int
+    buffer_size: int = 0  # elements per buffer (parameters only)
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """Where model states wait (``zeropp.offload.residency.build_residency``): host step, NVMe files."""
+
+    host_step: bool = False  # offload_optimizer.device "cpu": the step on the host, in groups
+    sub_group_size: int = 1_000_000_000  # elements per host step group
+    optimizer_nvme: Optional[NvmeFile] = None  # offload_optimizer.device "nvme"
+    param_nvme: Optional[NvmeFile] = None  # offload_param.device "nvme"
+
+
+@dataclass(frozen=True)
+class LeafSettings:
+    """Modules gathered whole with their subtree (``leaf_module``, ``stage3_module_granularity_threshold``)."""
+
+    classes: tuple[str, ...] = tuple(DEFAULT_LEAF_CLASSES)
+    names: tuple[str, ...] = ()
+    name_suffixes: tuple[str, ...] = ()
+    granularity_threshold: int = 0  # stage 3: DeepSpeed's rule for marking leaves (0: off)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainPolicy:
+    """The settings of a training step, settled (:func:`resolve`). Defaults are the config schema's, but for
+    ``reduce_bucket_size``, whose default follows the model (Note [bucket size])."""
+
+    reduce_bucket_size: int  # 16-bit gradient elements in buckets (Note [bucket size])
     compute_dtype: torch.dtype = torch.float32
     gradient_accumulation_steps: int = 1
     micro_batch_per_rank: int = 1
     train_batch_size: int = 1  # samples per optimizer step over all ranks and accumulation steps
     gradient_clipping: float = 0.0
-    reduce_bucket_size: int = 1_000_000  # 16-bit gradient elements in buckets (Note [bucket size])
-    stage: int = 3
+    stage: int = 0
+    comm: CommSettings = CommSettings()  # the gather and reduce strategies
+    offload: OffloadSettings = OffloadSettings()  # NVMe files and the host step's groups
+    leaves: LeafSettings = LeafSettings()
     loss_scaling: Optional[LossScaling] = None  # fp16 only
     delayed_update_after: Optional[int] = None  # DPU: optimizer steps before updates run in the background
     offload_optimizer: bool = False  # fp32 masters, optimizer state and gradient rows on the host
@@ -164,7 +221,34 @@ def resolve(cfg: ZeroppConfig, world_size: int, model: nn.Module) -> TrainPolicy
         sanity_checks=zero.enable_sanity_checks,
         pin_memory=any(_offloads(s) and s.pin_memory for s in (zero.offload_optimizer, zero.offload_param)),
         print_every=cfg.steps_per_print if cfg.wall_clock_breakdown else 0,
+        comm=_comm_settings(zero),
+        offload=_offload_settings(zero),
+        leaves=LeafSettings(tuple(zero.leaf_module.classes), tuple(zero.leaf_module.names),
+                            tuple(zero.leaf_module.name_suffixes), zero.stage3_module_granularity_threshold),
     )
+
+
+def _comm_settings(zero: ZeroConfig) -> CommSettings:
+    p = zero.zeropp_loco_param
+    return CommSettings(
+        quantized_weights=zero.zero_quantized_weights, weight_bits=zero.zero_quantized_weights_bits,
+        block_size=zero.quantization_block_size, hpz_partition_size=zero.zero_hpz_partition_size,
+        quantized_gradients=zero.zero_quantized_gradients, gradient_bits=zero.zero_quantized_gradients_bits,
+        loco=Loco(p.err_beta, p.reset_T) if p is not None else None, reduce_scatter=zero.reduce_scatter,
+        quantized_frozen_weights=zero.zero_quantized_nontrainable_weights)
+
+
+def _offload_settings(zero: ZeroConfig) -> OffloadSettings:
+    opt, par = zero.offload_optimizer, zero.offload_param
+    opt_nvme = opt is not None and opt.device == "nvme"
+    par_nvme = par is not None and par.device == "nvme"
+    return OffloadSettings(
+        host_step=opt is not None and opt.device == "cpu",
+        sub_group_size=int(zero.sub_group_size or 0),
+        optimizer_nvme=NvmeFile(opt.nvme_path, "zero_optimization.offload_optimizer.nvme_path", opt.buffer_count)
+        if opt_nvme else None,
+        param_nvme=NvmeFile(par.nvme_path, "zero_optimization.offload_param.nvme_path", par.buffer_count,
+                            par.buffer_size) if par_nvme else None)
 
 
 def _precision(cfg: ZeroppConfig) -> tuple[torch.dtype, Optional[LossScaling]]:

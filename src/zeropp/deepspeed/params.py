@@ -26,16 +26,11 @@ from torch import nn
 
 from zeropp.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from zeropp.partition import listeners
+from zeropp.partition.access import is_inplace
 from zeropp.zero.construction import PARAMS, State
 from zeropp.partition.unit import UnitState
 from zeropp.zero import param_state as ps
 from zeropp.deepspeed.missing import DeepSpeedAPIError
-
-
-# in-place operators by name (in-place methods are the names ending in one underscore)
-_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
-                              "__imatmul__"})
 
 
 class PartitionTensor(torch.Tensor):
@@ -63,7 +58,7 @@ class PartitionTensor(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        inplace = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+        inplace = is_inplace(name)
         if (inplace and args and isinstance(args[0], PartitionTensor)) or isinstance(kwargs.get("out"), cls):
             raise DeepSpeedAPIError(f"{name} on param.ds_tensor: zeropp's ds_tensor is a copy of this rank's part, "
                                     "so an in-place change would be lost; assign param.ds_tensor.data = value, or "
@@ -103,8 +98,7 @@ class DeepSpeedParameter(nn.Parameter):
     @property
     def ds_persist(self) -> bool:
         loc = ps.locate(self)
-        kept = getattr(loc.engine, "kept", None) if loc is not None else None
-        return kept is not None and loc.unit in kept
+        return loc is not None and loc.unit in loc.engine.state.kept
 
     @property
     def ds_status(self) -> ZeroParamStatus:
@@ -180,7 +174,7 @@ _VIEWS = {name for name, value in vars(DeepSpeedParameter).items() if isinstance
 def _unit_status(engine: Any, unit: Any) -> ZeroParamStatus:
     if unit.state is UnitState.GATHERED:
         return ZeroParamStatus.AVAILABLE
-    return ZeroParamStatus.INFLIGHT if unit in engine.gathers.inflight else ZeroParamStatus.NOT_AVAILABLE
+    return ZeroParamStatus.INFLIGHT if engine.gathers.prefetching(unit) else ZeroParamStatus.NOT_AVAILABLE
 
 
 class _SavedWeightStatus:

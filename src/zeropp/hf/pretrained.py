@@ -64,7 +64,7 @@ def from_pretrained(name_or_path: Union[str, "os.PathLike[str]"], model_class: A
     missing = _load_parameters(model, ckpt, dtype, used, where)
     if missing:
         _initialize_missing(model, missing, where)
-    _settle_buffers(model, ckpt, used, where)
+    _fill_meta_buffers(model, ckpt, used, where)
     unexpected = sorted(set(ckpt.keys()) - used)
     if missing:
         warnings.warn(f"from_pretrained: {len(missing)} parameters are not in the checkpoint and were initialized "
@@ -159,7 +159,7 @@ def _initialize_missing(model: nn.Module, missing: list[tuple[str, nn.Parameter]
         PARAMS.partition([(name, new)])
 
 
-def _settle_buffers(model: nn.Module, ckpt: SafetensorsChunks, used: set[str], device: torch.device) -> None:
+def _fill_meta_buffers(model: nn.Module, ckpt: SafetensorsChunks, used: set[str], device: torch.device) -> None:
     """Buffers left on meta: from the checkpoint, else recomputed by constructing their module again; every
     buffer ends on ``device``."""
     names = {id(m): n for n, m in model.named_modules()}

@@ -16,7 +16,7 @@ device type:
 The protocol: ``download(src)`` and ``upload(src, dst)`` start a copy and return a ``Transfer``;
 ``Transfer.wait()`` returns the destination once the caller may read it (a download: the host may read it;
 an upload: work queued on the compute stream after the call sees it). The source must stay unchanged
-until then, and before the host writes a row that an upload may still be reading it calls ``settle()``.
+until then, and before the host writes a row that an upload may still be reading it calls ``wait_uploads()``.
 """
 from __future__ import annotations
 
@@ -74,14 +74,14 @@ class HostLink:
             dst.copy_(src)
         return Transfer(dst)
 
-    def settle(self) -> None:
+    def wait_uploads(self) -> None:
         """Wait until no upload still reads a host row (before the host writes those rows again)."""
 
     def fetch(self, src: torch.Tensor, device: torch.device) -> Transfer:
         """Start copying the host tensor ``src`` into a new tensor on ``device`` (strides kept where dense).
 
         Unlike :meth:`upload`, ``src`` is a host copy that nobody writes again (an activation checkpoint
-        kept on the host), so :meth:`settle` does not wait for it. Here: a synchronous copy, or ``src``
+        kept on the host), so :meth:`wait_uploads` does not wait for it. Here: a synchronous copy, or ``src``
         itself when it already is on ``device``."""
         return Transfer(src if src.device == device else src.to(device))
 
@@ -127,7 +127,7 @@ class CudaLink(HostLink):
         self._uploads.append(done)
         return Transfer(dst, lambda: torch.cuda.current_stream(self.device).wait_event(done))
 
-    def settle(self) -> None:
+    def wait_uploads(self) -> None:
         for event in self._uploads:
             event.synchronize()
         self._uploads.clear()
@@ -176,7 +176,7 @@ class ThreadedLink(HostLink):
         self._uploads.append(done)
         return Transfer(dst, done.result)
 
-    def settle(self) -> None:
+    def wait_uploads(self) -> None:
         for done in self._uploads:
             done.result()
         self._uploads.clear()

@@ -32,6 +32,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from zeropp.config.policy import OffloadSettings
 from zeropp.offload.aio import AioPool, OffloadError, _round_up
 from zeropp.offload.cpu_adam import moment_storage_bytes
 from zeropp.offload.swap import SwapStore
@@ -390,41 +391,37 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-def build_residency(zero: object, model: nn.Module, world: int, compute_dtype: torch.dtype,
+def build_residency(offload: OffloadSettings, model: nn.Module, world: int, compute_dtype: torch.dtype,
                     rank: int) -> Resident:
-    """The residency ``zero_optimization`` asks for; NVMe files are created and reserved here.
+    """The residency ``offload`` (the policy's, from ``zero_optimization``) asks for; NVMe files are created and
+    reserved here.
 
     Raises ``OffloadError`` naming the config key when a path cannot be written or lacks the space.
     """
-    off_opt = getattr(zero, "offload_optimizer", None)
-    off_par = getattr(zero, "offload_param", None)
-    opt_nvme = off_opt is not None and off_opt.device == "nvme"
-    par_nvme = off_par is not None and off_par.device == "nvme"
-    if not (opt_nvme or par_nvme):
-        host_step = off_opt is not None and off_opt.device == "cpu"
-        return Resident(int(getattr(zero, "sub_group_size", 0) or 0) if host_step else 0)
+    opt_nvme, par_nvme = offload.optimizer_nvme, offload.param_nvme
+    if opt_nvme is None and par_nvme is None:
+        return Resident(offload.sub_group_size if offload.host_step else 0)
     elem = torch.empty((), dtype=compute_dtype).element_size()
     chunks = [ShardSpec(p.numel(), p.shape, world).chunk for p in _unique_params(model)]
     params = states = None
     shard_buffer = 0
-    if par_nvme:
+    if par_nvme is not None:
         capacity = sum(_round_up(c * elem) for c in chunks)
-        pool = _pool(off_par.nvme_path, "zero_optimization.offload_param.nvme_path", capacity, rank, "param")
-        shard_buffer = off_par.buffer_size * elem
-        params = SwapStore(pool, off_par.buffer_count * shard_buffer,
+        pool = _pool(par_nvme.path, par_nvme.key, capacity, rank, "param")
+        shard_buffer = par_nvme.buffer_size * elem
+        params = SwapStore(pool, par_nvme.buffer_count * shard_buffer,
                            "zero_optimization.offload_param.buffer_count or buffer_size")
-    if opt_nvme:
+    if opt_nvme is not None:
         per_elem = (4, elem) + (4,) * ADAM_MOMENTS
         capacity = sum(_round_up(c * b) for c in chunks for b in per_elem)
         try:
-            pool = _pool(off_opt.nvme_path, "zero_optimization.offload_optimizer.nvme_path", capacity, rank,
-                         "optimizer")
+            pool = _pool(opt_nvme.path, opt_nvme.key, capacity, rank, "optimizer")
         except BaseException:
             if params is not None:
                 params.pool.close()
             raise
         states = SwapStore(pool, 0, "zero_optimization.offload_optimizer.buffer_count")
-    return NvmeResidency(params, states, shard_buffer, off_opt.buffer_count if opt_nvme else 0)
+    return NvmeResidency(params, states, shard_buffer, opt_nvme.buffer_count if opt_nvme is not None else 0)
 
 
 def _pool(path: str, key: str, capacity: int, rank: int, tag: str) -> AioPool:

@@ -22,8 +22,16 @@ METADATA = frozenset({
 })
 # calls that read where a parameter's storage is, not its elements: harmless on a released one
 STORAGE_INFO = frozenset({"untyped_storage", "data_ptr", "storage_offset", "is_pinned", "is_shared"})
-INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__",
-                             "__set__"})
+# in-place operators by name (in-place methods are the names ending in one underscore: is_inplace); `__set__` is
+# `p.data = value`
+INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                             "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                             "__imatmul__", "__set__"})
+
+
+def is_inplace(name: str) -> bool:
+    """Whether the torch call ``name`` writes its first argument in place (``add_``, ``__iadd__``, ``copy_``...)."""
+    return name in INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
 
 
 def is_noop(name: str, args: tuple, kwargs: dict) -> bool:

@@ -149,10 +149,10 @@ class MetaMaterializer:
         params = [(name, self.replaced.get(id(p), p)) for name, p in plan.params]
         if self.init:
             made = {id(p) for p in self.replaced.values()}
-            self._settle_params([(n, p) for n, p in params if id(p) in made])  # not real ones it was handed
+            self._ensure_params_written([(n, p) for n, p in params if id(p) in made])  # not real ones it was handed
             for module in self.modules:
                 if id(module) in owners:
-                    self._settle_buffers(module)
+                    self._ensure_buffers_written(module)
         return UnitPlan(plan.module_name, plan.module, params)
 
     def _realize_module(self, module: nn.Module) -> None:
@@ -216,7 +216,7 @@ class MetaMaterializer:
         prefix = self.module_names.get(id(module), "")
         return f"{prefix}.{attr}" if prefix else attr
 
-    def _settle_params(self, params: list[tuple[str, nn.Parameter]]) -> None:
+    def _ensure_params_written(self, params: list[tuple[str, nn.Parameter]]) -> None:
         """Every parameter of a unit written: by ``param_init_fn``, else by the model's ``_init_weights``."""
         missing = [(n, p) for n, p in params if not self._written(p)]
         if missing and self.fallback is not None:
@@ -244,7 +244,7 @@ class MetaMaterializer:
         ids = {id(m) for _, p in params for m, _ in self.holders[id(p)]}
         return [m for m in self.modules if id(m) in ids]
 
-    def _settle_buffers(self, module: nn.Module) -> None:
+    def _ensure_buffers_written(self, module: nn.Module) -> None:
         """Every buffer made here written: by the init, else ``_init_weights``, else a real construction."""
         attrs = [a for a in self._fresh.pop(id(module), []) if module._buffers.get(a) is not None]
         missing = [a for a in attrs if not self._written(module._buffers[a])]
@@ -279,7 +279,7 @@ class MetaMaterializer:
             if any(b is not None and b.is_meta for b in module._buffers.values()):
                 self._realize_module(module)
                 if self.init:
-                    self._settle_buffers(module)
+                    self._ensure_buffers_written(module)
         for module in self.modules:
             for attr, p in module._parameters.items():
                 if p is not None and p.is_meta:

@@ -169,8 +169,8 @@ class FrozenGather:
     def on_release(self, unit: Unit) -> None:
         pass
 
-    def settle(self) -> None:
-        self.checks.settle()
+    def check_deferred(self) -> None:
+        self.checks.raise_first()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.store.rows.values())
@@ -204,9 +204,9 @@ class FrozenApart:
     def on_release(self, unit: Unit) -> None:
         self._pick(unit).on_release(unit)
 
-    def settle(self) -> None:
-        self.trainable.settle()
-        self.frozen.settle()
+    def check_deferred(self) -> None:
+        self.trainable.check_deferred()
+        self.frozen.check_deferred()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return self.trainable.held_tensors() + self.frozen.held_tensors()

@@ -102,8 +102,8 @@ class HpzGather:
             self.store.keep(unit, self.group.index_of(self.comm.topo.rank), self.group.size)
         self.primary.on_release(unit)
 
-    def settle(self) -> None:
-        self.primary.settle()
+    def check_deferred(self) -> None:
+        self.primary.check_deferred()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.store.rows.values()) + self.primary.held_tensors()

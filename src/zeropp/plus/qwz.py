@@ -37,7 +37,7 @@ class WeightChecks:
     Note [deferred weight checks]: telling whether any decoded scale is NaN takes the answer to the host. On
     the CPU that costs nothing, and the gather raises at once. On CUDA it would wait for the device once per
     unit and stall the stream of gathers, so there each gather only records, on the device, the first bad
-    block of its rows, and the engine calls :meth:`settle` once at the end of each forward and backward: one
+    block of its rows, and the engine calls :meth:`raise_first` once at the end of each forward and backward: one
     wait per pass, and the same error (parameter and source rank) on every rank, one pass later at most than on
     the CPU. Poisoned weights decode to NaN rows in the meantime, which that pass computes through; nothing is
     stepped before the error. ``defer`` None: defer on CUDA only.
@@ -50,7 +50,7 @@ class WeightChecks:
     def scan(self, scales: torch.Tensor, ranked: Callable[[], torch.Tensor], layout: BlockLayout,
              names: Sequence[str]) -> Optional[NonFiniteWeightError]:
         """The error for the first poisoned block of ``scales`` (``ranked()``: them in group order), or None;
-        with deferred checks, record it for :meth:`settle` and return None."""
+        with deferred checks, record it for :meth:`raise_first` and return None."""
         defer = self.defer if self.defer is not None else scales.device.type == "cuda"
         if defer:
             bad = ~torch.isfinite(ranked().reshape(-1))
@@ -62,7 +62,7 @@ class WeightChecks:
         source, segment = first_poisoned(ranked(), layout)  # the first bad block in rank order (rare)
         return _weight_error(names, source, segment)
 
-    def settle(self) -> None:
+    def raise_first(self) -> None:
         """Raise for the first poisoned block the deferred checks recorded since the last call."""
         if not self._pending:
             return
@@ -183,8 +183,8 @@ class QuantizedGather:
     def on_release(self, unit: Unit) -> None:
         pass
 
-    def settle(self) -> None:
-        self.checks.settle()
+    def check_deferred(self) -> None:
+        self.checks.raise_first()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return []

@@ -83,7 +83,7 @@ def _job_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _settle_precision(args: argparse.Namespace) -> None:
+def _choose_precision(args: argparse.Namespace) -> None:
     """``--precision auto`` with the built-in config: fp32 where bf16 matmuls are slow (zeropp/tools/demo/cpu.py),
     said in the first line printed; a user's config keeps its own precision."""
     if args.precision != "auto" or args.config:
@@ -110,7 +110,7 @@ def train(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         print(f"zeropp train: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
         return 2
-    _settle_precision(args)
+    _choose_precision(args)
     try:
         with warnings.catch_warnings():  # the ranks read the config again and warn there
             warnings.simplefilter("ignore")

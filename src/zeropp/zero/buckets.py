@@ -43,10 +43,10 @@ from itertools import groupby
 import torch
 
 from zeropp.comm.buffers import BufferPool
-from zeropp.comm.strategy import PendingReduce, ReduceStrategy
+from zeropp.comm.strategy import PendingReduce
 from zeropp.offload.link import HostLink, Transfer
-from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit
+from zeropp.zero.state import EngineState
 
 
 Key = tuple[int, int]  # (unit index, slot index)
@@ -142,60 +142,61 @@ class _DirectCopy:
 
 @dataclass
 class GradBuckets:
-    """Gradients into the buckets of ``layout``, each reduced once its gradients are in, in layout order (see
-    the module docstring). ``direct`` (a world of one rank: nothing to reduce) adds each gradient into its row
-    as it arrives, with no bucket."""
+    """Gradients into the buckets of a layout, each reduced once its gradients are in, in layout order (see the
+    module docstring), by the state's reduce strategy. The layout is the caller's, handed to every :meth:`add` and
+    :meth:`finish` of a backward (None: buckets filled in arrival order, stage 3). ``direct`` (a world of one rank:
+    nothing to reduce) adds each gradient into its row as it arrives, with no bucket."""
 
-    reduce: ReduceStrategy
+    state: EngineState  # its reduce strategy and residency (NVMe: a unit's gradient row is read back to add)
     world: int
     capacity: int
-    residency: Resident = field(default_factory=Resident)  # NVMe: a unit's gradient row is read back to add
     link: HostLink = field(default_factory=HostLink)  # how reduced rows reach the gradient rows (offload: host)
     direct: bool = False
-    layout: Optional[BucketLayout] = None  # None: buckets filled in arrival order (stage 3)
-    _ready: list[tuple[Unit, int, torch.Tensor]] = field(default_factory=list)  # arrival order: the open bucket
-    _size: int = 0  # its padded elements
-    _fills: dict[int, _Fill] = field(default_factory=dict)  # buckets of this backward not reduced yet
-    _next: int = 0  # the next bucket to reduce
-    _runs: dict[Key, int] = field(default_factory=dict)  # gradients of each key placed in this backward
-    _inflight: list[_InFlight] = field(default_factory=list)
-    _downloads: list[_Download] = field(default_factory=list)
-    pool: BufferPool = field(default_factory=BufferPool)  # bucket buffers, reused every step
-    _direct_row: Optional[tuple[Unit, contextlib.ExitStack]] = None  # direct: the gradient row held in memory
-    _direct_copies: list[_DirectCopy] = field(default_factory=list)  # direct, offloaded: Note [direct downloads]
-    _direct_copying: int = 0  # their elements
+    # arrival order (stage 3): the open bucket
+    _ready: list[tuple[Unit, int, torch.Tensor]] = field(default_factory=list, init=False)
+    _size: int = field(default=0, init=False)  # its padded elements
+    _fills: dict[int, _Fill] = field(default_factory=dict, init=False)  # buckets of this backward not reduced yet
+    _next: int = field(default=0, init=False)  # the next bucket to reduce
+    _runs: dict[Key, int] = field(default_factory=dict, init=False)  # gradients of each key placed in this backward
+    _inflight: list[_InFlight] = field(default_factory=list, init=False)
+    _downloads: list[_Download] = field(default_factory=list, init=False)
+    pool: BufferPool = field(default_factory=BufferPool, init=False)  # bucket buffers, reused every step
+    # direct: the gradient row held in memory; offloaded, the copies on their way (Note [direct downloads])
+    _direct_row: Optional[tuple[Unit, contextlib.ExitStack]] = field(default=None, init=False)
+    _direct_copies: list[_DirectCopy] = field(default_factory=list, init=False)
+    _direct_copying: int = field(default=0, init=False)  # their elements
 
-    def add(self, unit: Unit, slot: int, grad: torch.Tensor) -> bool:
-        """Place a gradient; False when the layout has no place left for it (it is not taken)."""
+    def add(self, layout: Optional[BucketLayout], unit: Unit, slot: int, grad: torch.Tensor) -> bool:
+        """Place a gradient by ``layout``; False when it has no place left for it (it is not taken)."""
         if self.direct:
             self._add_direct(unit, slot, grad)
             return True
-        if self.layout is None:
+        if layout is None:
             self._add_in_arrival_order(unit, slot, grad)
             return True
         key = (unit.index, slot)
         runs = self._runs.get(key, 0)
-        where = self.layout.index.get(key)
+        where = layout.index.get(key)
         if where is None or runs >= len(where):
             return False
         self._runs[key] = runs + 1
         for job in self._inflight:  # e.g. qgZ: start hop 2 of the bucket in flight if hop 1 has arrived
             job.pending.progress()
         b, p = where[runs]
-        plan = self.layout.plans[b]
+        plan = layout.plans[b]
         fill = self._fills.get(b)
         if fill is None:
-            fill = self._fills[b] = self._open(plan, grad)
+            fill = self._fills[b] = self._open(plan, grad, layout)
         if fill.pooled:
             place = plan.places[p]
             _copy_padded(fill.bucket[:, place.offset : place.offset + place.chunk], grad.reshape(-1))
         fill.filled[p] = True
         fill.count += 1
-        while self._next < len(self.layout.plans):  # reduce, in layout order, every bucket now complete
+        while self._next < len(layout.plans):  # reduce, in layout order, every bucket now complete
             done = self._fills.get(self._next)
             if done is None or done.count < len(done.filled):
                 break
-            self._flush(self._next)
+            self._flush(layout, self._next)
         return True
 
     def _add_in_arrival_order(self, unit: Unit, slot: int, grad: torch.Tensor) -> None:
@@ -220,31 +221,31 @@ class GradBuckets:
             places.append(_Place(unit, slot, off, unit.slots[slot].spec.chunk))
             off += places[-1].chunk
         plan = _Plan(tuple(places), off)
-        fill = self._open(plan, ready[0][2])
+        fill = self._open(plan, ready[0][2], None)
         if fill.pooled:
             for place, (_, _, grad) in zip(places, ready):
                 _copy_padded(fill.bucket[:, place.offset : place.offset + place.chunk], grad.reshape(-1))
         del ready
         self._start(plan, fill)
 
-    def _open(self, plan: _Plan, grad: Optional[torch.Tensor]) -> _Fill:
+    def _open(self, plan: _Plan, grad: Optional[torch.Tensor], layout: Optional[BucketLayout]) -> _Fill:
         """A bucket's buffer: a lone unpadded gradient as it is; otherwise a pool buffer of the layout's dtype."""
         unit = plan.places[0].unit
-        dtype = self.layout.dtype if self.layout is not None and self.layout.dtype is not None else unit.compute_dtype
+        dtype = layout.dtype if layout is not None and layout.dtype is not None else unit.compute_dtype
         filled = [False] * len(plan.places)
         if grad is not None and plan.lone and grad.dtype == dtype:
             return _Fill(grad.reshape(self.world, plan.length), False, filled)
         bucket = self.pool.take(self.world * plan.length, dtype, unit.device).view(self.world, plan.length)
         return _Fill(bucket, True, filled)
 
-    def _flush(self, b: int) -> None:
+    def _flush(self, layout: BucketLayout, b: int) -> None:
         """Start reducing bucket ``b`` (zeros where no gradient came); complete the previously started one (one
         stays in flight)."""
-        assert self.layout is not None and b == self._next
-        plan = self.layout.plans[b]
+        assert b == self._next
+        plan = layout.plans[b]
         fill = self._fills.pop(b, None)
         if fill is None:  # no gradient of this bucket reached this rank
-            fill = self._open(plan, None)
+            fill = self._open(plan, None, layout)
         for place, filled in zip(plan.places, fill.filled):
             if not filled:
                 fill.bucket[:, place.offset : place.offset + place.chunk].zero_()
@@ -254,7 +255,7 @@ class GradBuckets:
     def _start(self, plan: _Plan, fill: _Fill) -> None:
         segments = [place.chunk for place in plan.places]
         names = [place.unit.slots[place.slot].name for place in plan.places]
-        pending = self.reduce.start(fill.bucket, segments, names)
+        pending = self.state.strategies.reduce.start(fill.bucket, segments, names)
         while self._inflight:
             self._complete(self._inflight.pop(0))
         self._inflight.append(_InFlight(pending, plan.places, fill.bucket, fill.pooled))
@@ -295,7 +296,7 @@ class GradBuckets:
         if self._direct_row is None or self._direct_row[0] is not unit:
             self._release_direct()
             held = contextlib.ExitStack()
-            held.enter_context(self.residency.grads(unit))
+            held.enter_context(self.state.residency.grads(unit))
             self._direct_row = (unit, held)
 
     def _release_direct(self) -> None:
@@ -303,16 +304,16 @@ class GradBuckets:
             held, self._direct_row = self._direct_row[1], None
             held.close()
 
-    def finish(self) -> None:
-        """Reduce every bucket not reduced yet, in layout order (zeros where no gradient came), and accumulate
-        them all into the owning gradient shards; the next backward fills the layout anew."""
+    def finish(self, layout: Optional[BucketLayout]) -> None:
+        """Reduce every bucket of ``layout`` not reduced yet, in layout order (zeros where no gradient came), and
+        accumulate them all into the owning gradient shards; the next backward fills a layout anew."""
         while self._direct_copies:
             self._land_direct()
         self._release_direct()
         try:
-            if self.layout is not None and not self.direct:
-                while self._next < len(self.layout.plans):
-                    self._flush(self._next)
+            if layout is not None and not self.direct:
+                while self._next < len(layout.plans):
+                    self._flush(layout, self._next)
             self._flush_ready()
             while self._inflight:
                 self._complete(self._inflight.pop(0))
@@ -340,7 +341,7 @@ class GradBuckets:
         row = job.transfer.wait()
         off = 0
         for unit, places in groupby(job.job.places, key=lambda p: p.unit):  # one row in memory at a time
-            with self.residency.grads(unit):
+            with self.state.residency.grads(unit):
                 views = unit.grad_views()  # on the host under optimizer offload: copied out per bucket
                 for place in places:
                     c = place.chunk

@@ -25,6 +25,7 @@ and calls the compiled wrapper for its forward.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -54,6 +55,17 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
 def force_eager() -> Any:
     """A context in which compiled functions run their original, eager code."""
     return torch.compiler.set_stance("force_eager")
+
+
+def without_backend(compile_kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """``engine.compile``'s ``compile_kwargs`` less a ``backend``, which the argument of its own overrides (with a
+    warning)."""
+    kwargs = dict(compile_kwargs or {})
+    if "backend" in kwargs:
+        warnings.warn("engine.compile: the backend in compile_kwargs is overridden by the backend argument",
+                      stacklevel=3)
+        del kwargs["backend"]
+    return kwargs
 
 
 def compile_model(model: nn.Module, backend: Any = "inductor", kwargs: Optional[dict[str, Any]] = None

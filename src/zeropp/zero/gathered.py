@@ -13,7 +13,7 @@ that rank ``r`` left unchanged keeps its fp32 master bit for bit; a changed one 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -23,39 +23,37 @@ from zeropp.zero.construction import PARAMS
 from zeropp.partition.unit import ParamSlot, Unit, UnitState
 from zeropp.partition.access import ParameterAccessError
 from zeropp.zero.param_use import register_external_parameter
+from zeropp.zero.state import EngineHandle
 
-if TYPE_CHECKING:
-    from zeropp.zero.engine import ZeroEngine
-
-_ENGINES: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()  # live engines, to find a parameter's owner
+_ENGINES: "weakref.WeakSet[EngineHandle]" = weakref.WeakSet()  # live engines, to find a parameter's owner
 
 
-def track(engine: "ZeroEngine") -> None:
+def track(engine: EngineHandle) -> None:
     """Called by each engine at construction, so GatheredParameters can find who manages a parameter."""
     _ENGINES.add(engine)
 
 
-def untrack(engine: "ZeroEngine") -> None:
+def untrack(engine: EngineHandle) -> None:
     """The engine gave its model back (``destroy()``): its parameters are no longer managed."""
     _ENGINES.discard(engine)
 
 
-def gather_from_masters(engine: "ZeroEngine") -> None:
+def gather_from_masters(engine: EngineHandle) -> None:
     """Gather every sharded unit of ``engine`` from its fp32 masters and keep it gathered (collective)."""
-    _Opened(engine, {id(s.param) for u in engine.units for s in u.slots}, snapshot=False)
+    _Opened(engine, {id(s.param) for u in engine.state.units for s in u.slots}, snapshot=False)
 
 
 def managed_ids() -> set[int]:
     """The ids of the parameters that live engines manage."""
-    return {id(s.param) for engine in list(_ENGINES) for u in engine.units for s in u.slots}
+    return {id(s.param) for engine in list(_ENGINES) for u in engine.state.units for s in u.slots}
 
 
 class _Opened:
     """What one engine gathered for the context: units, the given parameters' slots, values at entry."""
 
-    def __init__(self, engine: "ZeroEngine", ids: set[int], snapshot: bool) -> None:
+    def __init__(self, engine: EngineHandle, ids: set[int], snapshot: bool) -> None:
         self.engine = engine
-        self.units = [u for u in engine.units if any(id(s.param) in ids for s in u.slots)]
+        self.units = [u for u in engine.state.units if any(id(s.param) in ids for s in u.slots)]
         self.slots = [(u, s) for u in self.units for s in u.slots if id(s.param) in ids]
         engine.join_update()
         self.gathered = [u for u in self.units if u.state is UnitState.SHARDED]
@@ -65,18 +63,18 @@ class _Opened:
 
     def gather_from_masters(self) -> None:
         """The gathered units' full values from the fp32 masters (collective), cast to the compute dtype."""
-        engine, world = self.engine, self.engine.topo.world
+        engine, world = self.engine, self.engine.state.topo.world
         for u in self.gathered:
             rows = torch.empty(world.size, u.row.numel, dtype=torch.float32, device=u.device)
-            with engine.residency.resident([u], dirty=False):
-                engine.comm.all_gather(rows, u.master.to(u.device), world, Phase.OTHER)
+            with engine.state.residency.resident([u], dirty=False):
+                engine.state.comm.all_gather(rows, u.master.to(u.device), world, Phase.OTHER)
             u.materialize(rows.to(u.compute_dtype), u.row)
 
     def publish(self, modifier_rank: int) -> None:
         """Broadcast rank ``modifier_rank``'s values and write the changed ones into the masters."""
         engine = self.engine
         for _, slot in self.slots:
-            engine.comm.broadcast(_flat(slot), modifier_rank, engine.topo.world, Phase.OTHER)
+            engine.state.comm.broadcast(_flat(slot), modifier_rank, engine.state.topo.world, Phase.OTHER)
         changed = [(u, s) for u, s in self.slots if not torch.equal(_flat(s), self.before[id(s)])]
         if not changed:  # every rank compares the same broadcast values, so all take this branch together
             return
@@ -85,7 +83,7 @@ class _Opened:
             by_unit.setdefault(u, set()).add(id(s))
         with torch.no_grad():
             for u, ids in by_unit.items():
-                with engine.residency.resident([u]):
+                with engine.state.residency.resident([u]):
                     for slot, view in zip(u.slots, u.master_views()):
                         if id(slot) in ids:
                             start, stop = slot.spec.owned(u.rank)
@@ -147,10 +145,10 @@ class GatheredParameters:
             PARAMS.gather(p).pins += 1
         ids = {id(p) for p in self.params}
         for engine in sorted(_ENGINES, key=id):  # one engine per model; sorted only for a fixed order
-            if self.modifier_rank is not None and self.modifier_rank >= engine.topo.world_size:
+            if self.modifier_rank is not None and self.modifier_rank >= engine.state.topo.world_size:
                 raise ValueError(f"GatheredParameters: modifier_rank {self.modifier_rank} is not a rank of the "
-                                 f"world of {engine.topo.world_size}")
-            if any(id(s.param) in ids for u in engine.units for s in u.slots):
+                                 f"world of {engine.state.topo.world_size}")
+            if any(id(s.param) in ids for u in engine.state.units for s in u.slots):
                 self._opened.append(_Opened(engine, ids, snapshot=self.modifier_rank is not None))
         self._versions = [p._version for p in self.params]  # in-place writes bump them (Note below)
         return self
@@ -160,9 +158,9 @@ class GatheredParameters:
         constructed, self._constructed = self._constructed, []
         written = []
         if exc_type is None and self.modifier_rank is None and (opened or constructed):
-            comm = opened[0].engine.comm if opened else PARAMS.comm
+            comm = opened[0].engine.state.comm if opened else PARAMS.comm
             written = self._writes_anywhere(comm)
-            if written and not any(o.engine.policy.sanity_checks for o in opened):
+            if written and not any(o.engine.state.policy.sanity_checks for o in opened):
                 written = self._changed_anywhere(opened, comm)
         for p in constructed:
             rec = PARAMS.get(p)
@@ -216,7 +214,7 @@ class GatheredParameters:
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if not ranks:
             return []
-        names = {id(s.param): s.name for engine in list(_ENGINES) for u in engine.units for s in u.slots}
+        names = {id(s.param): s.name for engine in list(_ENGINES) for u in engine.state.units for s in u.slots}
 
         def name(p: nn.Parameter, i: int) -> str:
             rec = PARAMS.get(p)

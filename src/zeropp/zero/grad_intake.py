@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
 from zeropp.comm.ledger import Phase
-from zeropp.comm.ops import Comm
-from zeropp.comm.strategy import ReduceStrategy
 from zeropp.config.policy import BUCKETS_IN_FLIGHT, bucket_capacity
-from zeropp.config.policy import StagePlan, TrainPolicy
 from zeropp.offload.link import HostLink
-from zeropp.offload.residency import Resident
 from zeropp.partition.unit import Unit
-from zeropp.topology import Topology
 from zeropp.zero.buckets import BucketLayout, GradBuckets
-from zeropp.zero.order_check import ARRIVE, EXTRA, REDUCE, CollectiveOrder
+from zeropp.zero.order_check import ARRIVE, EXTRA, REDUCE
+from zeropp.zero.state import EngineState
 
 
 class UnusedParametersError(RuntimeError):
@@ -43,16 +41,16 @@ class UnusedParametersError(RuntimeError):
 
 
 class GradIntake:
-    """Gradients into reduce buckets of ``policy.reduce_bucket_size`` (see the module docstring), reduced by
-    ``reduce`` into the rows of ``stepped``, the units that train (offloaded rows cross ``link``)."""
+    """Gradients into reduce buckets of ``policy.reduce_bucket_size`` (see the module docstring), reduced into the
+    rows of the state's stepped units, the units that train (offloaded rows cross the state's link). It owns the
+    bucket layout every rank shares (Note [positional buckets])."""
 
-    def __init__(self, reduce: ReduceStrategy, order: CollectiveOrder, *, stepped: list[Unit], policy: TrainPolicy,
-                 plan: StagePlan, topo: Topology, comm: Comm, residency: Resident, link: HostLink) -> None:
-        self.buckets = GradBuckets(reduce, plan.shard_world(topo.world_size),
-                                   bucket_capacity(policy.reduce_bucket_size), residency, link,
-                                   direct=topo.world_size == 1)
-        self.stepped = stepped
-        self.order, self.policy, self.plan, self.topo, self.comm = order, policy, plan, topo, comm
+    def __init__(self, state: EngineState) -> None:
+        self.state = state
+        policy, topo = state.policy, state.topo
+        self.buckets = GradBuckets(state, state.shard_world, bucket_capacity(policy.reduce_bucket_size),
+                                   state.link if policy.offload_optimizer else HostLink(), direct=topo.world_size == 1)
+        self.layout: Optional[BucketLayout] = None  # None: buckets filled in arrival order (stage 3), or no buckets
         self._missing: dict[Unit, int] = {}  # gradients a unit still waits for in this backward
         self._seen: set[tuple[int, int]] = set()  # (unit, slot) whose gradient arrived this backward
         self._window: set[tuple[int, int]] = set()  # (unit, slot) with a gradient in this accumulation window
@@ -62,21 +60,22 @@ class GradIntake:
         self._extras_now: list[tuple[int, int]] = []  # those of this backward
         self._staged: dict[Unit, list[tuple[int, torch.Tensor]]] = {}  # stage 3: leaf units not yet complete
         # Note [arrival order at stage 3]: there the order gradients arrive in decides what each bucket holds
-        self._arrival_kind = REDUCE if plan.shards_weights else ARRIVE
+        self._arrival_kind = REDUCE if state.plan.shards_weights else ARRIVE
 
     def _trainable(self) -> list[tuple[Unit, int]]:
-        return [(u, i) for u in self.stepped for i, s in enumerate(u.slots) if s.trainable]
+        return [(u, i) for u in self.state.stepped for i, s in enumerate(u.slots) if s.trainable]
 
     def _ensure_layout(self) -> None:
         """The first layout (Note [positional buckets]): stage 2 the parameters reversed, the order a backward
         usually produces gradients in (a GPT-2's first step filled one bucket at a time; with each unit's
         parameters in their own order, up to 4 at once); stages 0-1 add in unit order at the boundary. Stage 3
         has none (Note [arrival order at stage 3])."""
-        if self.buckets.layout is None and not self.buckets.direct and not self.plan.shards_weights:
+        plan = self.state.plan
+        if self.layout is None and not self.buckets.direct and not plan.shards_weights:
             keys = self._trainable()
-            if self.plan.reduces_as_ready:
+            if plan.reduces_as_ready:
                 keys = keys[::-1]
-            self.buckets.layout = BucketLayout(keys, self.buckets.capacity)
+            self.layout = BucketLayout(keys, self.buckets.capacity)
 
     def begin_backward(self) -> None:
         self._missing, self._seen, self._arrivals, self._extras_now, self._staged = {}, set(), [], [], {}
@@ -90,7 +89,7 @@ class GradIntake:
         self._window.add((unit.index, slot_index))
         left = (self._missing[unit] if unit in self._missing else unit.needs_grad()) - 1
         self._missing[unit] = left
-        if whole and self.plan.shards_weights:
+        if whole and self.state.plan.shards_weights:
             self._staged.setdefault(unit, []).append((slot_index, grad))
             if left > 0:
                 return False
@@ -101,10 +100,10 @@ class GradIntake:
         return left == 0
 
     def _add(self, unit: Unit, slot_index: int, grad: torch.Tensor) -> None:
-        self.order.note(self._arrival_kind, unit.index, slot_index)
-        if self.buckets.layout is not None:  # only a layout follows them (not stage 3's hot path, nor one rank)
+        self.state.order.note(self._arrival_kind, unit.index, slot_index)
+        if self.layout is not None:  # only a layout follows them (not stage 3's hot path, nor one rank)
             self._arrivals.append((unit, slot_index))
-        if not self.buckets.add(unit, slot_index, grad):  # Note [extra gradients]
+        if not self.buckets.add(self.layout, unit, slot_index, grad):  # Note [extra gradients]
             key = (unit.index, slot_index)
             held = self._extras.get(key)
             summed = grad.float() if held is None else held[2].add_(grad)
@@ -116,25 +115,27 @@ class GradIntake:
         (stages 0-1 reduce at the boundary), and stages 1-2 with ``ignore_unused_parameters: false`` check that
         every parameter got its gradient."""
         self._bucket_partly_used()
-        if self.plan.reduces_as_ready:  # (stages 0-1 reduce at the boundary: their buckets are not this pass's)
-            self.buckets.finish()
+        plan = self.state.plan
+        if plan.reduces_as_ready:  # (stages 0-1 reduce at the boundary: their buckets are not this pass's)
+            self.buckets.finish(self.layout)
         runs: dict[tuple[int, int], int] = {}
         for unit, slot in self._arrivals:
             key = (unit.index, slot)
             runs[key] = runs.get(key, 0) + 1
             if runs[key] > self._most_runs.get(key, (unit, slot, 0))[2]:
                 self._most_runs[key] = (unit, slot, runs[key])
+        order = self.state.order
         for key in sorted(self._extras_now):  # which extra gradients this backward had, checked at the step
-            self.order.note(EXTRA, *key)
-        self.order.note_end(EXTRA)
-        self.order.note_end(self._arrival_kind)
-        if not self.policy.ignore_unused_parameters and self.plan.shards_optimizer and not self.plan.shards_weights:
+            order.note(EXTRA, *key)
+        order.note_end(EXTRA)
+        order.note_end(self._arrival_kind)
+        if not self.state.policy.ignore_unused_parameters and plan.shards_optimizer and not plan.shards_weights:
             self._check_unused()
 
     def got_in_window(self, unit: Unit, index: int) -> bool:
         """Whether the parameter got a gradient in this accumulation window (by its hook at stages 2-3, in its
         accumulated ``.grad`` at stages 0-1)."""
-        if self.plan.reduces_as_ready:
+        if self.state.plan.reduces_as_ready:
             return (unit.index, index) in self._window
         return unit.slots[index].param.grad is not None
 
@@ -142,23 +143,20 @@ class GradIntake:
         """The window's step ran: the next gradients open a new window."""
         self._window = set()
 
-    def settle(self, arrivals_agree: bool) -> bool:
+    def reduce_extra_gradients(self, arrivals_agree: bool) -> bool:
         """At the step, after the ranks' digests were found to agree on the extra gradients: reduce those (the
-        same on every rank, in one order), and let the layout follow the last backward where every rank's
-        gradients arrived in one order. True when extra gradients were reduced (the rows changed)."""
+        same on every rank, in one order, through buckets of a layout of their own), and let the layout follow the
+        last backward where every rank's gradients arrived in one order. True when extra gradients were reduced
+        (the rows changed)."""
         reduced = bool(self._extras)
         if reduced:
             held, self._extras = [self._extras[k] for k in sorted(self._extras)], {}
-            main = self.buckets.layout
-            self.buckets.layout = BucketLayout([(u, s) for u, s, _ in held], self.buckets.capacity, torch.float32)
-            try:
-                for unit, slot, grad in held:
-                    self.buckets.add(unit, slot, grad)
-                self.buckets.finish()
-            finally:
-                self.buckets.layout = main
+            extra = BucketLayout([(u, s) for u, s, _ in held], self.buckets.capacity, torch.float32)
+            for unit, slot, grad in held:
+                self.buckets.add(extra, unit, slot, grad)
+            self.buckets.finish(extra)
         # (a window with no backward agrees on nothing: its arrivals are empty; stage 3 has no layout)
-        if arrivals_agree and self.buckets.layout is not None and self.plan.reduces_as_ready and self._arrivals:
+        if arrivals_agree and self.layout is not None and self.state.plan.reduces_as_ready and self._arrivals:
             self._follow(self._arrivals)
         self._arrivals, self._most_runs = [], {}
         return reduced
@@ -170,7 +168,7 @@ class GradIntake:
     def _follow(self, arrivals: list[tuple[Unit, int]]) -> None:
         """The layout becomes ``arrivals`` (repeats kept), then the runs another backward of the window had on
         top of them, then the trainable parameters that got no gradient there, in the layout's order."""
-        layout = self.buckets.layout
+        layout = self.layout
         count: dict[tuple[int, int], int] = {}
         for u, s in arrivals:
             count[(u.index, s)] = count.get((u.index, s), 0) + 1
@@ -183,7 +181,7 @@ class GradIntake:
             rest.sort(key=lambda k: rank.get((k[0].index, k[1]), len(rank)))
         keys = arrivals + rest
         if layout is None or tuple((u.index, s) for u, s in keys) != layout.keys:
-            self.buckets.layout = BucketLayout(keys, self.buckets.capacity)
+            self.layout = BucketLayout(keys, self.buckets.capacity)
             # buckets held while gradients came out of layout order: not kept once the layout follows them
             self.buckets.pool.trim(BUCKETS_IN_FLIGHT + 1)
 
@@ -202,20 +200,21 @@ class GradIntake:
                 if slot.trainable:
                     grad = got.get(index)
                     if grad is None:
-                        grad = torch.zeros(slot.param.shape, dtype=self.policy.compute_dtype, device=unit.device)
+                        grad = torch.zeros(slot.param.shape, dtype=self.state.policy.compute_dtype, device=unit.device)
                     self._add(unit, index, grad)
         self._staged = {}
 
     def _check_unused(self) -> None:
         """Stages 1-2 with ``ignore_unused_parameters: false`` (DeepSpeed's check): every trainable parameter must
         have a gradient after each backward; the ranks agree (one all-reduce), so every rank raises."""
-        arrived = (lambda u, i, s: (u.index, i) in self._seen) if self.plan.reduces_as_ready else \
+        state = self.state
+        arrived = (lambda u, i, s: (u.index, i) in self._seen) if state.plan.reduces_as_ready else \
             (lambda u, i, s: s.param.grad is not None)
-        unused = [s.name for u in self.stepped for i, s in enumerate(u.slots)
+        unused = [s.name for u in state.stepped for i, s in enumerate(u.slots)
                   if s.param.requires_grad and not arrived(u, i, s)]
-        flags = torch.zeros(self.topo.world_size)
-        flags[self.topo.rank] = float(bool(unused))
-        self.comm.all_reduce(flags, self.topo.world, Phase.OTHER)
+        flags = torch.zeros(state.topo.world_size)
+        flags[state.topo.rank] = float(bool(unused))
+        state.comm.all_reduce(flags, state.topo.world, Phase.OTHER)
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if ranks:
             raise UnusedParametersError(
@@ -223,20 +222,24 @@ class GradIntake:
                 "they were not used to compute the loss. Set zero_optimization.ignore_unused_parameters to true (the "
                 "default) to train on without them, or remove them from the model or from model_parameters")
 
-    def reduce_whole(self, units: list[Unit]) -> None:
+    def reduce_whole(self) -> None:
         """Stages 0-1, at the boundary: reduce every accumulated full gradient into its shard.
 
         A trainable parameter without a gradient on this rank contributes zeros (Note [positional buckets]), so
         every rank reduces the same buckets even when some rank's forward skipped a module.
         """
         self._ensure_layout()
-        for unit in units:
+        for unit in self.state.units:
             for index, slot in enumerate(unit.slots):
                 p = slot.param
                 # (one frozen for this micro-step only still has its window's gradient)
                 if not slot.trainable or p.grad is None:
                     continue
                 grad, p.grad = p.grad, None
-                if not self.buckets.add(unit, index, grad):
+                if not self.buckets.add(self.layout, unit, index, grad):
                     raise AssertionError(f"{slot.name}: no place in the reduce buckets")
-        self.buckets.finish()
+        self.buckets.finish(self.layout)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the bucket buffers held now (ZeRO-R's buffer report)."""
+        return self.buckets.pool.nbytes()

@@ -1,10 +1,11 @@
 """The optimizer step at an accumulation boundary, a part the engine owns (:class:`OptimizerStep`): unscale the
-reduced gradient rows, take the global norm (whose all-reduce also checks the collective order), skip or clip,
-step the optimizer on the fp32 master shards (on a thread for the delayed update) and publish the masters as the
-next forward's weights. ``ZeroEngine.step`` decides when; this part does it. It is handed what it works on
-(the units that step, the optimizer and schedule, the collectives, where states wait) and two calls back into
-the engine's weights: ``copy_back`` (a unit's 16-bit shard to its device) and ``gather_resident`` (stages 0-2:
-the full weights rebuilt from the shards).
+reduced gradient rows, take the global norm (whose all-reduce also carries the collective order check), skip or
+clip, step the optimizer on the fp32 master shards (on a thread for the delayed update) and publish the masters as
+the next forward's weights. ``ZeroEngine`` decides when and drives one step's three parts in order
+(:meth:`OptimizerStep.begin` -> :meth:`StepRun.norm` -> :meth:`StepRun.finish`); between the norm and the update
+it may have the gradient intake reduce extra gradients (Note [extra gradients]), and then the norm is taken again.
+This part works on the shared state (Note [engine state]) and the weights' part, ``Gathers`` (a unit's 16-bit
+shard copied back to its device; stages 0-2: the full weights rebuilt from the shards).
 """
 from __future__ import annotations
 
@@ -17,64 +18,73 @@ import torch
 from torch.profiler import record_function  # labels the step's parts in a torch.profiler trace
 
 from zeropp.comm.ledger import Phase
-from zeropp.comm.ops import Comm
-from zeropp.config.policy import StagePlan, TrainPolicy
-from zeropp.offload.link import HostLink
-from zeropp.offload.residency import Resident
 from zeropp.offload.row_norm import squared_norm
 from zeropp.partition.unit import Unit
-from zeropp.topology import Topology
 from zeropp.zero.background import BackgroundUpdate
-from zeropp.zero.grad_intake import GradIntake
+from zeropp.zero.gathers import Gathers
 from zeropp.zero.loss_scaler import LossScaler
-from zeropp.zero.order_check import CollectiveOrder, CollectiveOrderError
-from zeropp.zero.timing import StepTimer
+from zeropp.zero.order_check import NormCheck
+from zeropp.zero.state import EngineState
 
 log = logging.getLogger("zeropp")
+Masters = list[tuple[str, torch.Tensor]]  # (parameter name, its fp32 master view): what an optimizer is built over
 
 
 class OptimizerStep:
-    """The step on the master shards of ``stepped`` (see the module docstring)."""
+    """The step on the master shards of the state's stepped units (see the module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, *, stepped: list[Unit],
-                 policy: TrainPolicy, plan: StagePlan, topo: Topology, comm: Comm, order: CollectiveOrder,
-                 residency: Resident, link: HostLink, timer: StepTimer, copy_back: Callable[[Unit], None],
-                 gather_resident: Callable[[Phase], None], step_number: Callable[[], int],
-                 grads: GradIntake) -> None:
+    def __init__(self, state: EngineState, optimizer: torch.optim.Optimizer, scheduler: Any, gathers: Gathers) -> None:
+        self.state = state
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.stepped = stepped  # units with gradient rows and a step (not frozen); [] once the model is whole
+        self.gathers = gathers
         # master views the optimizer updates (frozen or left-out parameters are not among them)
         self.optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.policy, self.plan, self.topo, self.comm, self.order = policy, plan, topo, comm, order
-        self.residency, self.link, self.timer, self.grads = residency, link, timer, grads
-        s = policy.loss_scaling  # fp16 only
+        s = state.policy.loss_scaling  # fp16 only
         self.loss_scaler = LossScaler.from_config(s.loss_scale, s.initial_scale_power, s.window, s.hysteresis,
                                                   s.min_scale) if s is not None else None
-        self._copy_back, self._gather_resident, self._step_number = copy_back, gather_resident, step_number
-        self.shard_world = plan.shard_world(topo.world_size)
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
         self.skipped = False  # the last step was skipped
         self.global_grad_norm: Optional[float] = None
         self._update: Optional[BackgroundUpdate] = None
         self._host_grads: Optional[torch.Tensor] = None  # Note [host step passes]
 
+    @classmethod
+    def build(cls, state: EngineState, make_optimizer: Callable[[Masters], torch.optim.Optimizer],
+              make_scheduler: Callable[[torch.optim.Optimizer], Any], trainable: Optional[set[int]],
+              gathers: Gathers) -> "OptimizerStep":
+        """The step over an optimizer of the fp32 master views of the trainable parameters (``trainable``: their
+        ids, None for all), and its schedule."""
+        masters = [
+            (slot.name, view)
+            for u in state.stepped
+            for slot, view in zip(u.slots, u.master_views())
+            if slot.param.requires_grad and (trainable is None or id(slot.param) in trainable)
+        ]
+        optimizer = make_optimizer(masters)
+        step = cls(state, optimizer, make_scheduler(optimizer), gathers)
+        state.residency.attach(optimizer, step.optimized)
+        return step
+
     @property
     def keeps_rows(self) -> bool:
         """Whether the reduced gradient rows stay allocated between steps (Note [rows between steps])."""
-        return self.plan.shards_weights and all(u.state_device.type == "cpu" for u in self.stepped)
+        return self.state.plan.shards_weights and all(u.state_device.type == "cpu" for u in self.state.stepped)
 
     def drop_gradients(self) -> None:
-        """Drop the accumulated gradients: the whole ones of stages 0-1 and the reduced rows of stages 2-3."""
-        for u in self.stepped:
+        """Drop the accumulated gradients: the whole ones of stages 0-1 and the reduced rows of stages 2-3 (the
+        engine drops the gradient intake's extra gradients beside them)."""
+        for u in self.state.stepped:
             for slot in u.slots:
                 slot.param.grad = None
-        self.residency.clear_grads(self.stepped, keep_rows=self.keeps_rows)
-        self.grads.drop_extras()  # (Note [extra gradients]: every rank drops the same ones)
+        self.clear_rows()
 
-    def step(self, background: bool = False, schedule: bool = True) -> None:
-        """Unscale, take the global norm, skip or clip, then update the masters (and, with ``schedule``, step
-        the learning-rate schedule).
+    def clear_rows(self) -> None:
+        """The reduced gradient rows are done with: zeroed where they stay, freed elsewhere."""
+        self.state.residency.clear_grads(self.state.stepped, keep_rows=self.keeps_rows)
+
+    def begin(self, background: bool = False) -> "StepRun":
+        """Start a step: unscale, then :meth:`StepRun.norm` and :meth:`StepRun.finish`.
 
         ``background`` (delayed parameter update): the update runs on a thread and is published by the
         next :meth:`join_update`; the norm's collective stays on this thread, so every rank issues its
@@ -83,68 +93,9 @@ class OptimizerStep:
         Two passes over the gradient rows (the norm, then the update), each through the residency: with
         NVMe, a unit's row, master and optimizer state are in memory only while that unit is processed.
         """
-        unscale = self.grad_unscale
-        cache: dict[Unit, torch.Tensor] = {}
-        with self.timer.span("offload_io"):
-            self.link.settle()  # the host rows are written below: no upload may still read them
-
-        # Note [host step passes]: the host's groups convert into one reused buffer (a delayed update: all of its
-        # units, read by its thread until the next step joins it), and the norm reads each row once (Note [row norm])
-        in_groups = not self.residency.caches_grads
-        into: dict[Unit, torch.Tensor] = {}  # the current group's slices of the reused buffer
-
-        def fp32_grad(u: Unit) -> torch.Tensor:
-            # .float() of an fp32 row is the row itself, which is zeroed below while a background update may
-            # still read its gradients: copy then. Rows that leave memory are recomputed, identically.
-            g = cache.get(u)
-            if g is None:
-                row = u.grad_row()
-                g = into[u].copy_(row) if u in into else row.to(torch.float32, copy=background)
-                if unscale != 1.0:
-                    g.mul_(unscale)
-                if self.residency.caches_grads:
-                    cache[u] = g
-            return g
-
-        def sq_norm(u: Unit) -> torch.Tensor:  # Note [row norm]: the same sum whichever row it reads
-            return squared_norm(u.grad_row(), unscale) if in_groups else squared_norm(fp32_grad(u))
-
-        with record_function("zeropp.grad_norm"):
-            norm = self._global_norm(sq_norm, cache.clear)
-        self.global_grad_norm = norm
-        self.skipped = not math.isfinite(norm)
-        self.skipped_steps += self.skipped
-        if self.loss_scaler is not None:
-            self._note_overflow(self.skipped)
-        elif self.skipped:
-            self._report_non_finite()
-        if not self.skipped:
-            clip = self.policy.gradient_clipping
-            coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
-            if background:
-                into = self._group_buffer(self.stepped) if in_groups else {}
-                self._set_master_grads(self.stepped, fp32_grad, coef)
-                self._update = BackgroundUpdate(self._apply_update)
-            else:
-                for group in self.residency.optimizer_pass(self.stepped):
-                    with record_function("zeropp.grads_to_fp32"):
-                        into = self._group_buffer(group) if in_groups else {}
-                        self._set_master_grads(group, fp32_grad, coef)
-                    with record_function("zeropp.optimizer_update"):
-                        fused = self._step_group(group)
-                    with record_function("zeropp.copy_back"):
-                        for u in group:
-                            for view in u.master_views():
-                                view.grad = None
-                            u.refresh_shard_from_master(recast=u not in fused)
-                            self._copy_back(u)
-                if self.scheduler is not None and schedule:
-                    self.scheduler.step()
-                if not self.plan.shards_weights:
-                    self._gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
-        # the optimizer held its own fp32 copies; rows are kept between steps only in stage 3 on the host (Note
-        # [rows between steps])
-        self.residency.clear_grads(self.stepped, keep_rows=self.keeps_rows)
+        with self.state.timer.span("offload_io"):
+            self.state.link.wait_uploads()  # the host rows are written below: no upload may still read them
+        return StepRun(self, background)
 
     def _group_buffer(self, group: list[Unit]) -> dict[Unit, torch.Tensor]:
         """Slices of an fp32 buffer for the 16-bit gradient rows of ``group`` (Note [host step passes]): on the
@@ -166,38 +117,6 @@ class OptimizerStep:
             out[u] = buffer[at : at + u.row.numel]
             at += u.row.numel
         return out
-
-    def _global_norm(self, sq_norm: Callable[[Unit], torch.Tensor], forget: Callable[[], None]) -> float:
-        """The gradients' global L2 norm from each unit's squared norm (fp64); the same all-reduce checks that
-        every rank issued the same collectives this step (Note [collective order]) before any gradient is
-        used, and whether extra gradients must be reduced first (Note [extra gradients]: then ``forget`` drops
-        what ``sq_norm`` cached, and the norm is taken again)."""
-        device = self.stepped[0].device if self.stepped else None
-        sq = self._sum_squares(sq_norm, device)
-        if self.shard_world == 1:  # stage 0 holds whole gradients, identical on every rank, and reduced them
-            self.order.reset()     # at the boundary in a fixed order
-            return math.sqrt(sq.item())
-        both = torch.cat([sq, torch.tensor(self.order.payload(), dtype=torch.float64, device=device)])
-        self.comm.all_reduce(both, self.topo.world, Phase.OTHER)
-        try:
-            arrivals_agree = self.order.check(both[1:].tolist(), self.topo.world_size)
-        except CollectiveOrderError:
-            self.residency.clear_grads(self.stepped, keep_rows=self.keeps_rows)  # mixed: never used
-            self.grads.drop_extras()
-            raise
-        if self.grads.settle(arrivals_agree):
-            forget()
-            sq = self._sum_squares(sq_norm, device)
-            self.comm.all_reduce(sq, self.topo.world, Phase.OTHER)
-            return math.sqrt(sq.item())
-        return math.sqrt(both[0].item())
-
-    def _sum_squares(self, sq_norm: Callable[[Unit], torch.Tensor], device: Optional[torch.device]) -> torch.Tensor:
-        sq = torch.zeros(1, dtype=torch.float64, device=device)
-        for group in self.residency.grad_pass(self.stepped):  # squared norms summed in fp64
-            for u in group:
-                sq += sq_norm(u)
-        return sq
 
     def _step_group(self, units: list[Unit]) -> set[Unit]:
         """``optimizer.step()``; returns the units whose 16-bit shard it also wrote. A host optimizer with
@@ -235,9 +154,9 @@ class OptimizerStep:
         assert self.loss_scaler is not None
         before = self.loss_scaler.scale
         self.loss_scaler.update(overflow)
-        if overflow and self.topo.rank == 0:
+        if overflow and self.state.topo.rank == 0:
             log.warning("fp16 gradient overflow: step %d skipped, loss scale %g -> %g",
-                        self._step_number(), before, self.loss_scaler.scale)
+                        self.state.global_steps, before, self.loss_scaler.scale)
 
     @property
     def loss_scale(self) -> float:
@@ -249,7 +168,8 @@ class OptimizerStep:
         """What turns a reduced gradient row into the step's gradient: the fp16 loss scale out, and the
         reduction's pre-division (``gradient_predivide_factor``) and mean (``gradient_allreduce_op``) settled:
         rows hold ``sum / (W * predivide)``, the step wants the mean or, with ``sum``, the sum."""
-        post = self.policy.grad_predivide * (self.topo.world_size if self.policy.grad_sum else 1)
+        policy = self.state.policy
+        post = policy.grad_predivide * (self.state.topo.world_size if policy.grad_sum else 1)
         return post / self.loss_scale
 
     def _apply_update(self) -> None:
@@ -264,13 +184,14 @@ class OptimizerStep:
     def publish_masters(self, phase: Phase, units: list[Unit]) -> None:
         """Make the masters of ``units`` the weights: recast the 16-bit shards, bump versions (stale hpZ
         slices), and in stages 0-2 rebuild the resident full weights. Collective for stages 0-2."""
-        self.link.settle()  # the staged rows are rewritten below
+        state = self.state
+        state.link.wait_uploads()  # the staged rows are rewritten below
         for u in units:
-            with self.residency.resident([u]):
+            with state.residency.resident([u]):
                 u.refresh_shard_from_master()
-                self._copy_back(u)
-        if not self.plan.shards_weights:
-            self._gather_resident(phase)
+                self.gathers.copy_back(u)
+        if not state.plan.shards_weights:
+            self.gathers.gather_resident(phase)
 
     def join_update(self) -> None:
         """Wait for a delayed update still running and publish it; a no-op when none is pending.
@@ -278,23 +199,125 @@ class OptimizerStep:
         Collective (every rank calls it at the same points): weight loads, state-dict and checkpoint calls
         and the next optimizer step call it first.
         """
-        self.link.settle()  # callers write the masters next: no upload may still read them
+        self.state.link.wait_uploads()  # callers write the masters next: no upload may still read them
         if self._update is None:
             return
         update, self._update = self._update, None
         update.wait()
-        self.publish_masters(Phase.FORWARD_GATHER, self.stepped)  # a step leaves frozen units as they were
-        self.link.settle()
+        self.publish_masters(Phase.FORWARD_GATHER, self.state.stepped)  # a step leaves frozen units as they were
+        self.state.link.wait_uploads()
 
     def _report_non_finite(self) -> None:
         bad = []
-        for u in self.stepped:
-            with self.residency.resident([u], dirty=False):
+        for u in self.state.stepped:
+            with self.state.residency.resident([u], dirty=False):
                 bad += [s.name for s, g in zip(u.slots, u.grad_views()) if not torch.isfinite(g).all()]
-        where = f"non-finite gradient shard on rank {self.topo.rank} in: {', '.join(bad)}" if bad else (
+        where = f"non-finite gradient shard on rank {self.state.topo.rank} in: {', '.join(bad)}" if bad else (
             "non-finite gradient on another rank")
-        warnings.warn(f"step {self._step_number()} skipped: global gradient norm is not finite ({where})",
+        warnings.warn(f"step {self.state.global_steps} skipped: global gradient norm is not finite ({where})",
                       RuntimeWarning, stacklevel=3)
+
+
+class StepRun:
+    """One optimizer step in progress (:meth:`OptimizerStep.begin`): the unscaled fp32 gradients it reads, the norm
+    it took, the update it makes. Its norm and its update read each gradient row through the same conversion, so
+    a row is converted once where the residency keeps it in memory between the two passes."""
+
+    def __init__(self, step: OptimizerStep, background: bool) -> None:
+        self.step, self.background = step, background
+        self.unscale = step.grad_unscale
+        self.cache: dict[Unit, torch.Tensor] = {}
+        # Note [host step passes]: the host's groups convert into one reused buffer (a delayed update: all of its
+        # units, read by its thread until the next step joins it), and the norm reads each row once (Note [row norm])
+        self.in_groups = not step.state.residency.caches_grads
+        self.into: dict[Unit, torch.Tensor] = {}  # the current group's slices of the reused buffer
+        self.device = step.state.stepped[0].device if step.state.stepped else None
+
+    def fp32_grad(self, u: Unit) -> torch.Tensor:
+        # .float() of an fp32 row is the row itself, which is zeroed below while a background update may
+        # still read its gradients: copy then. Rows that leave memory are recomputed, identically.
+        g = self.cache.get(u)
+        if g is None:
+            row = u.grad_row()
+            g = self.into[u].copy_(row) if u in self.into else row.to(torch.float32, copy=self.background)
+            if self.unscale != 1.0:
+                g.mul_(self.unscale)
+            if self.step.state.residency.caches_grads:
+                self.cache[u] = g
+        return g
+
+    def _sq_norm(self, u: Unit) -> torch.Tensor:  # Note [row norm]: the same sum whichever row it reads
+        return squared_norm(u.grad_row(), self.unscale) if self.in_groups else squared_norm(self.fp32_grad(u))
+
+    def _sum_squares(self) -> torch.Tensor:
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for group in self.step.state.residency.grad_pass(self.step.state.stepped):  # squared norms summed in fp64
+            for u in group:
+                sq += self._sq_norm(u)
+        return sq
+
+    def norm(self) -> NormCheck:
+        """The gradients' global L2 norm from each unit's squared norm (fp64); the same all-reduce carries the
+        ranks' digests of this step's collectives (Note [collective order]), checked before any gradient is used:
+        raises ``CollectiveOrderError`` when they differ (the engine then drops the step's gradients)."""
+        state = self.step.state
+        with record_function("zeropp.grad_norm"):
+            sq = self._sum_squares()
+            if state.shard_world == 1:  # stage 0 holds whole gradients, identical on every rank, and reduced them
+                state.order.reset()     # at the boundary in a fixed order
+                return NormCheck(math.sqrt(sq.item()), None)
+            both = torch.cat([sq, torch.tensor(state.order.payload(), dtype=torch.float64, device=self.device)])
+            state.comm.all_reduce(both, state.topo.world, Phase.OTHER)
+            arrivals_agree = state.order.check(both[1:].tolist(), state.topo.world_size)
+            return NormCheck(math.sqrt(both[0].item()), arrivals_agree)
+
+    def norm_again(self) -> float:
+        """The norm once more, after extra gradients were reduced into the rows (Note [extra gradients])."""
+        state = self.step.state
+        with record_function("zeropp.grad_norm"):
+            self.cache.clear()
+            sq = self._sum_squares()
+            state.comm.all_reduce(sq, state.topo.world, Phase.OTHER)
+            return math.sqrt(sq.item())
+
+    def finish(self, norm: float, schedule: bool = True) -> None:
+        """Skip or clip by ``norm``, then update the masters (and, with ``schedule``, step the learning-rate
+        schedule)."""
+        step, state = self.step, self.step.state
+        step.global_grad_norm = norm
+        step.skipped = not math.isfinite(norm)
+        step.skipped_steps += step.skipped
+        if step.loss_scaler is not None:
+            step._note_overflow(step.skipped)
+        elif step.skipped:
+            step._report_non_finite()
+        if not step.skipped:
+            clip = state.policy.gradient_clipping
+            coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
+            if self.background:
+                self.into = step._group_buffer(state.stepped) if self.in_groups else {}
+                step._set_master_grads(state.stepped, self.fp32_grad, coef)
+                step._update = BackgroundUpdate(step._apply_update)
+            else:
+                for group in state.residency.optimizer_pass(state.stepped):
+                    with record_function("zeropp.grads_to_fp32"):
+                        self.into = step._group_buffer(group) if self.in_groups else {}
+                        step._set_master_grads(group, self.fp32_grad, coef)
+                    with record_function("zeropp.optimizer_update"):
+                        fused = step._step_group(group)
+                    with record_function("zeropp.copy_back"):
+                        for u in group:
+                            for view in u.master_views():
+                                view.grad = None
+                            u.refresh_shard_from_master(recast=u not in fused)
+                            step.gathers.copy_back(u)
+                if step.scheduler is not None and schedule:
+                    step.scheduler.step()
+                if not state.plan.shards_weights:
+                    step.gathers.gather_resident(Phase.FORWARD_GATHER)  # the next forward's weights
+        # the optimizer held its own fp32 copies; rows are kept between steps only in stage 3 on the host (Note
+        # [rows between steps])
+        step.clear_rows()
 
 
 # Note [rows between steps]: stage 3 reduces each gradient into its unit's row as backward goes, so the rows are

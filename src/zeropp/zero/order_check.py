@@ -24,9 +24,9 @@ weights, was wrong already). A mismatch that goes unseen needs both 16-bit diges
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Optional, Sequence
 
-__all__ = ["CollectiveOrder", "CollectiveOrderError"]
+__all__ = ["CollectiveOrder", "CollectiveOrderError", "NormCheck"]
 
 _PRIMES = (65521, 65519)  # the largest primes below 2**16: digests stay below it
 _BASE = 257
@@ -34,6 +34,15 @@ _BASE = 257
 # layout (stages 0-2); an extra gradient
 GATHER_FORWARD, GATHER_BACKWARD, REDUCE, ARRIVE, EXTRA = 1, 2, 3, 5, 4
 _GROUPS = ((GATHER_FORWARD, GATHER_BACKWARD, REDUCE), (ARRIVE,), (EXTRA,))  # digests checked apart, in this order
+
+
+class NormCheck(NamedTuple):
+    """The step's first all-reduce: the global gradient norm, and whether the ranks' gradients arrived in one order
+    (Note [positional buckets]); ``arrivals_agree`` is None for a group of one (stage 0), where nothing is checked.
+    Returned only where the ranks' gathers and reductions agreed (else :class:`CollectiveOrderError`)."""
+
+    norm: float
+    arrivals_agree: Optional[bool]
 
 
 class CollectiveOrderError(RuntimeError):

@@ -19,7 +19,7 @@ parameter, gathered whole from every rank's chunk, or this rank's part of it, an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -27,16 +27,14 @@ from torch import nn
 from zeropp.comm.ledger import Phase
 from zeropp.partition.unit import ParamSlot, Unit
 from zeropp.zero import gathered
-
-if TYPE_CHECKING:
-    from zeropp.zero.engine import ZeroEngine
+from zeropp.zero.state import EngineHandle
 
 
 @dataclass(frozen=True)
 class Located:
     """Where a parameter's states live: its engine, unit and position in the unit."""
 
-    engine: "ZeroEngine"
+    engine: EngineHandle
     unit: Unit
     index: int
 
@@ -50,11 +48,11 @@ class Located:
         return self.slot.spec.owned(self.unit.rank)
 
 
-def unit_sharing(t: torch.Tensor) -> Optional[tuple["ZeroEngine", Unit]]:
+def unit_sharing(t: torch.Tensor) -> Optional[tuple[EngineHandle, Unit]]:
     """The stage-3 engine and unit whose weights ``t`` shares storage with (a tensor autograd saved of a
     parameter comes back as a plain tensor over the same storage), or None."""
     for engine in list(gathered._ENGINES):
-        unit = engine.use.unit_of(t) if engine.use is not None else None
+        unit = engine.unit_of(t)
         if unit is not None:
             return engine, unit
     return None
@@ -63,7 +61,7 @@ def unit_sharing(t: torch.Tensor) -> Optional[tuple["ZeroEngine", Unit]]:
 def locate(param: torch.Tensor) -> Optional[Located]:
     """The engine, unit and slot managing ``param``, or None when no live engine manages it."""
     for engine in list(gathered._ENGINES):
-        for unit in engine.units:
+        for unit in engine.state.units:
             for i, slot in enumerate(unit.slots):
                 if slot.param is param:
                     return Located(engine, unit, i)
@@ -74,11 +72,11 @@ def _full(loc: Located, chunk: torch.Tensor) -> torch.Tensor:
     """Every rank's ``chunk`` of the parameter (fp32), put together and shaped like it."""
     engine, spec = loc.engine, loc.slot.spec
     chunk = chunk.detach().to(torch.float32).reshape(-1).contiguous()
-    if engine.shard_world == 1:
+    if engine.state.shard_world == 1:
         flat = chunk
     else:
-        flat = torch.empty(engine.shard_world * chunk.numel(), dtype=torch.float32, device=chunk.device)
-        engine.comm.all_gather(flat, chunk, engine.topo.world, Phase.OTHER)
+        flat = torch.empty(engine.state.shard_world * chunk.numel(), dtype=torch.float32, device=chunk.device)
+        engine.state.comm.all_gather(flat, chunk, engine.state.topo.world, Phase.OTHER)
     return flat[: spec.numel].view(spec.shape).clone()
 
 
@@ -101,7 +99,7 @@ def _write(target: torch.Tensor, part: torch.Tensor) -> None:
 def full_master(loc: Located) -> torch.Tensor:
     """The whole fp32 master of the parameter (collective)."""
     loc.engine.join_update()
-    with loc.engine.residency.resident([loc.unit], dirty=False):
+    with loc.engine.state.residency.resident([loc.unit], dirty=False):
         return _full(loc, loc.unit.master_values()[loc.index])
 
 
@@ -109,7 +107,7 @@ def local_master(loc: Located) -> torch.Tensor:
     """This rank's part of the fp32 master (a copy)."""
     loc.engine.join_update()
     start, stop = loc.span
-    with loc.engine.residency.resident([loc.unit], dirty=False):
+    with loc.engine.state.residency.resident([loc.unit], dirty=False):
         return loc.unit.master_values()[loc.index][: stop - start].detach().float().clone()
 
 
@@ -122,7 +120,7 @@ def set_master(loc: Located, value: torch.Tensor, local: bool = False) -> None:
     if part.numel() != stop - start:
         raise ValueError(f"parameter {loc.slot.name!r}: this rank owns {stop - start} elements, the value has "
                          f"{part.numel()}")
-    with engine.residency.resident([loc.unit]):
+    with engine.state.residency.resident([loc.unit]):
         _write(loc.unit.master_views()[loc.index], part)
     engine.masters_changed()
 
@@ -131,7 +129,7 @@ def set_master(loc: Located, value: torch.Tensor, local: bool = False) -> None:
 def hpz_group(loc: Located) -> Any:
     """The process group of hpZ's secondary partition of the parameter (``zero_hpz_partition_size`` > 1), or
     None without hpZ."""
-    hpz = loc.engine.strategies.secondary
+    hpz = loc.engine.state.strategies.secondary
     return None if hpz is None else hpz.group.handle
 
 
@@ -139,7 +137,7 @@ def secondary_part(loc: Located) -> Optional[torch.Tensor]:
     """This rank's slice of the parameter in hpZ's secondary copy (a copy, padding included), or None: no hpZ, or
     no current slice (the weights changed since the last was cut: Note [secondary staleness] in ``plus/hpz.py``;
     one is cut at initialize and at each forward's release)."""
-    hpz = loc.engine.strategies.secondary
+    hpz = loc.engine.state.strategies.secondary
     return None if hpz is None else hpz.slice(loc.unit, loc.index)
 
 
@@ -147,16 +145,16 @@ def secondary_part(loc: Located) -> Optional[torch.Tensor]:
 def full_grad(loc: Located) -> Optional[torch.Tensor]:
     """The parameter's averaged, unscaled gradient as the next step will use it; None before any backward."""
     engine, slot = loc.engine, loc.slot
-    if not engine.plan.reduces_as_ready:  # stages 0-1: whole local gradients until the boundary
+    if not engine.state.plan.reduces_as_ready:  # stages 0-1: whole local gradients until the boundary
         g = slot.param.grad
         if g is None:
             return None
         mean = g.detach().to(torch.float32).clone()
-        engine.comm.all_reduce(mean, engine.topo.world, Phase.OTHER)
-        return mean.mul_(engine.grad_unscale / engine.topo.world_size)
+        engine.state.comm.all_reduce(mean, engine.state.topo.world, Phase.OTHER)
+        return mean.mul_(engine.grad_unscale / engine.state.topo.world_size)
     if loc.unit.grad is None:
         return None
-    with engine.residency.resident([loc.unit], dirty=False):
+    with engine.state.residency.resident([loc.unit], dirty=False):
         return _full(loc, loc.unit.grad_views()[loc.index]).mul_(engine.grad_unscale)
 
 
@@ -172,14 +170,14 @@ def local_grads(locs: list[Located], padded: bool = False) -> list[Optional[torc
     if not locs:
         return []
     engine = locs[0].engine
-    if not engine.plan.reduces_as_ready:
+    if not engine.state.plan.reduces_as_ready:
         raise ValueError("the local gradient is a ZeRO-3 (and 2) notion: at stages 0-1 every rank holds the whole "
                          "gradient until the step; use the full gradient")
     out: list[Optional[torch.Tensor]] = [None] * len(locs)
     of_unit: dict[Unit, list[int]] = {}
     for i, loc in enumerate(locs):
         of_unit.setdefault(loc.unit, []).append(i)
-    for group in engine.residency.grad_pass([u for u in of_unit if u.grad is not None]):
+    for group in engine.state.residency.grad_pass([u for u in of_unit if u.grad is not None]):
         for unit in group:
             views = unit.grad_views()
             for i in of_unit[unit]:
@@ -195,7 +193,7 @@ def grad_norms(locs: list[Located]) -> list[torch.Tensor]:
     if not locs:
         return []
     engine = locs[0].engine
-    if not engine.plan.reduces_as_ready:
+    if not engine.state.plan.reduces_as_ready:
         return [torch.zeros((), dtype=torch.float32) if g is None else torch.linalg.vector_norm(g)
                 for g in (full_grad(loc) for loc in locs)]
     device = locs[0].unit.device
@@ -203,8 +201,8 @@ def grad_norms(locs: list[Located]) -> list[torch.Tensor]:
     for i, g in enumerate(local_grads(locs)):
         if g is not None:
             sq[i] = torch.linalg.vector_norm(g.to(device), dtype=torch.float64).square()
-    if engine.shard_world > 1:
-        engine.comm.all_reduce(sq, engine.topo.world, Phase.OTHER)
+    if engine.state.shard_world > 1:
+        engine.state.comm.all_reduce(sq, engine.state.topo.world, Phase.OTHER)
     return list(sq.sqrt().to(torch.float32).unbind())
 
 
@@ -212,14 +210,14 @@ def set_grad(loc: Located, value: torch.Tensor, local: bool = False) -> None:
     """Replace the gradient the next step uses (``value`` unscaled; ``local``: this rank's part, stages 2-3)."""
     engine, slot = loc.engine, loc.slot
     scale = 1.0 / engine.grad_unscale  # what the rows hold per unit of the step's gradient
-    if not engine.plan.reduces_as_ready:
+    if not engine.state.plan.reduces_as_ready:
         if local:
             raise ValueError("the local gradient is a ZeRO-3 (and 2) notion; use the full gradient at stages 0-1")
         # each rank's whole gradient becomes the value: the boundary's reduction averages them back to it
-        slot.param.grad = (value.detach().reshape(slot.spec.shape) * scale).to(engine.policy.compute_dtype)
+        slot.param.grad = (value.detach().reshape(slot.spec.shape) * scale).to(engine.state.policy.compute_dtype)
         return
     part = value.detach().reshape(-1).float() if local else _own_part(loc, value, "set the gradient")
-    with engine.residency.resident([loc.unit]):
+    with engine.state.residency.resident([loc.unit]):
         _write(loc.unit.grad_views()[loc.index], part * scale)
 
 
@@ -236,7 +234,7 @@ def _state(loc: Located, key: str) -> torch.Tensor:
 def full_optimizer_state(loc: Located, key: str) -> torch.Tensor:
     """The whole optimizer state ``key`` (``exp_avg``...) of the parameter; a scalar (``step``) as it is."""
     loc.engine.join_update()
-    with loc.engine.residency.resident([loc.unit], dirty=False):
+    with loc.engine.state.residency.resident([loc.unit], dirty=False):
         value = _state(loc, key)
         if value.dim() == 0:
             return value.detach().clone()
@@ -247,7 +245,7 @@ def local_optimizer_state(loc: Located, key: str) -> torch.Tensor:
     """This rank's part of the optimizer state ``key`` (a scalar as it is)."""
     loc.engine.join_update()
     start, stop = loc.span
-    with loc.engine.residency.resident([loc.unit], dirty=False):
+    with loc.engine.state.residency.resident([loc.unit], dirty=False):
         value = _state(loc, key)
         return value.detach().clone() if value.dim() == 0 else value[: stop - start].detach().float().clone()
 
@@ -255,7 +253,7 @@ def local_optimizer_state(loc: Located, key: str) -> torch.Tensor:
 def set_optimizer_state(loc: Located, key: str, value: torch.Tensor, local: bool = False) -> None:
     """Write the optimizer state ``key`` of the parameter (``local``: this rank's part)."""
     loc.engine.join_update()
-    with loc.engine.residency.resident([loc.unit]):
+    with loc.engine.state.residency.resident([loc.unit]):
         target = _state(loc, key)
         if target.dim() == 0:
             with torch.no_grad():

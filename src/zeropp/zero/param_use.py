@@ -18,8 +18,10 @@ memory. While the engine runs the model's forward and backward, :class:`ParamUse
   running module that contains it ends (its *span*), and the span is remembered, so from the next forward
   on the unit is released there instead of after its own forward: one gather per pass, as the ledger's
   formulas count. A unit gathered twice in one forward (a module called twice) learns a span the same way.
-* Backward: a trainable unit is released once all its gradients are in (by the engine), a frozen one once
-  the gradient of its module's inputs is computed (its backward is over).
+  The running forwards and the spans are ``Spans`` (``zero/spans.py``); when the weights go is decided by
+  ``Releases`` (Note [one owner for release] in ``zero/release.py``).
+* Backward: a trainable unit is released once all its gradients are in, a frozen one once the gradient of its
+  module's inputs is computed (its backward is over).
 * The engine's own work inside a pass (its module hooks, gradient hooks, gathers, releases, the saved-tensor
   hooks here) runs with torch-function handling off (:func:`unwatched`): only the model's calls are watched.
 
@@ -46,24 +48,24 @@ gathered for ``module``'s forward, even on the first step and on paths no earlie
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
 import weakref
-from collections import Counter
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from zeropp.partition.access import (INPLACE_DUNDERS, METADATA, STORAGE_INFO, ParameterAccessError, call_args,
-                                     call_name, is_noop)
+from zeropp.partition.access import (METADATA, STORAGE_INFO, ParameterAccessError, call_args, call_name, is_inplace,
+                                     is_noop)
 from zeropp.partition.unit import ParamSlot, Unit, UnitState
 from zeropp.zero import idle_watch
+from zeropp.zero.gathers import Gathers, current_pass
 from zeropp.zero.memory import freed_storage_key, storage_key
-
-log = logging.getLogger("zeropp")
+from zeropp.zero.release import Releases
+from zeropp.zero.spans import Spans
+from zeropp.zero.state import EngineState
+from zeropp.zero.watching import unwatched
 
 # module -> parameters it reads although another module owns them (register_external_parameter)
 _EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]]" = weakref.WeakKeyDictionary()
@@ -95,22 +97,6 @@ def external_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list(_EXTERNAL.get(module, ()))
 
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def unwatched(fn: F) -> F:
-    """Run ``fn`` (the engine's own work: gathers, releases, gradient reductions, the optimizer step) with
-    torch-function handling off. The watches (this module's inside the passes, ``idle_watch``'s between them)
-    are for the user's code; the engine's gathers and quantizers make thousands of torch calls per step (views,
-    copies, ``data_ptr``) that would each go through a mode's Python check for nothing: 2,500 calls per step
-    under ZeRO++ on the bench's 2 x 2 GPT, 860 under ZeRO-3."""
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with torch._C.DisableTorchFunction():
-            return fn(*args, **kwargs)
-    return run  # type: ignore[return-value]
-
-
 class _Saved:
     """A saved tensor that shares a parameter's storage, with the unit to gather before it is read."""
 
@@ -134,31 +120,24 @@ class _Mode(TorchFunctionMode):
 
 
 class ParamUse:
-    """Finds and serves stage-3 parameter reads outside their unit's forward (Note [external reads]).
+    """Finds and serves stage-3 parameter reads outside their unit's forward (Note [external reads]): a read of a
+    released unit gathers it through ``gathers`` for the pass in progress; the module entries and exits it sees go
+    to ``spans``, and the end of a hold to ``releases``."""
 
-    ``gather(unit)`` gathers a unit for the pass in progress, ``release(unit)`` releases it, and
-    ``backward_open()`` tells which pass that is; the engine owns all three.
-    """
-
-    def __init__(self, root: nn.Module, units: list[Unit], gather: Callable[[Unit], None],
-                 release: Callable[[Unit], None], backward_open: Callable[[], bool]) -> None:
-        self._gather, self._release, self._backward_open = gather, release, backward_open
+    def __init__(self, state: EngineState, root: nn.Module, gathers: Gathers, releases: Releases,
+                 spans: Spans) -> None:
+        # the parameters first: `copy.deepcopy(model)` copies this part through the hooks it put on the model, in
+        # the order of its attributes, and must come to a released parameter (refused by name: Note [reads between
+        # passes]) before anything that cannot be copied (the state's process groups)
+        units = state.units
         self._slot: dict[int, tuple[Unit, ParamSlot]] = {id(s.param): (u, s) for u in units for s in u.slots}
         self._units = units
+        self.state, self.gathers, self.releases, self.spans = state, gathers, releases, spans
         self._storage: dict[int, Unit] = {}
         self.storages_moved()
         self._names: dict[int, str] = {}
-        self._stack: list[tuple[str, int]] = []  # (name, call number) of the running forwards, outermost first
-        self._calls = 0
-        self._running: Counter[str] = Counter()
-        self._held: dict[str, set[Unit]] = {}  # units kept gathered until that running module's forward ends
-        self.spans: dict[Unit, str] = {}  # learned: the module whose forward end releases the unit
-        self._released_in: dict[Unit, set[int]] = {}  # the forward calls running when it was last released
-        self._reported: set[tuple[str, str]] = set()
         self._trains_inside: dict[Unit, bool] = {}  # a frozen unit's module holds trainable parameters
-        self._active = False  # inside watching() or quiet()
-        self._quiet = False  # inside quiet(): compiled passes (Note [compiled regions] in compiled.py)
-        self._direct: Optional[contextlib.ExitStack] = None  # watching a forward not called through the engine
+        self._direct: Optional[contextlib.ExitStack] = None  # the watch of a forward not called through the engine
         self.hooks: list[Any] = []  # removed by the engine's destroy()
         self._root = root
         self._exits: dict[int, Any] = {}  # each module's exit hook, called even when its forward raises
@@ -172,6 +151,12 @@ class ParamUse:
                                mod.register_load_state_dict_pre_hook(self._state_dict_write)]
         idle_watch.watch(self)  # Note [reads between passes]
 
+    def remove_hooks(self) -> None:
+        """Take this part's hooks off the model (the engine gives the model back: Note [leaving the model whole])."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
     def storages_moved(self) -> None:
         """Index the units by their parameters' storages again (a storage was handed over to its aliases)."""
         with torch._C.DisableTorchFunction():
@@ -183,39 +168,24 @@ class ParamUse:
         return self._storage.get(storage_key(t))
 
     # ---- the model's forward and backward run inside this -----------------------------------------------
+    def _gather(self, unit: Unit) -> None:
+        self.gathers.gather(unit, current_pass(self.state))
+
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         """Serve parameter reads of the forward or backward run inside this context."""
-        self._stack.clear()
-        self._running.clear()
-        self._held.clear()  # the engine released every unit at the end of the last pass
-        self._released_in.clear()
-        self._active = True
-        try:
-            with _Mode(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            self._active = False
-
-    @property
-    def active(self) -> bool:
-        """Whether a pass (``watching()`` or ``quiet()``) is running."""
-        return self._active
+        self.spans.reset()  # the engine released every unit at the end of the last pass
+        with _Mode(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
-        """A pass of compiled code (Note [compiled regions] in ``compiled.py``): no mode and no saved-tensor
-        hooks; units with a learned span are held until the pass ends instead of until their span's end."""
-        self._stack.clear()
-        self._running.clear()
-        self._held.clear()
-        self._released_in.clear()
+        """A pass of compiled code (Note [compiled regions] in ``compiled.py``; the engine sets the state's
+        ``quiet``): no mode and no saved-tensor hooks; units with a learned span are held until the pass ends
+        instead of until their span's end."""
+        self.spans.reset()
         self._plain_exits_in_compiled_regions()
-        self._active = self._quiet = True
-        try:
-            yield
-        finally:
-            self._active = self._quiet = False
+        yield
 
     def _plain_exits_in_compiled_regions(self) -> None:
         """Note [exit hooks in compiled regions]: a forward hook called even when the forward raises is looked
@@ -291,80 +261,29 @@ class ParamUse:
         name = self._names.get(id(module))
         if name is None:
             return
-        if not self._active:  # the model or a part of it called directly, not through the engine: watch it too
+        if not self.state.in_pass:  # the model or a part of it called directly, not through the engine: watch it
+            self.state.direct = True
             self._direct = contextlib.ExitStack()
             self._direct.enter_context(self.watching())
-        self._calls += 1
-        self._stack.append((name, self._calls))
-        self._running[name] += 1
+        self.spans.enter(name)
         for p in _EXTERNAL.get(module, ()):
             hit = self._slot.get(id(p))
             if hit is not None and hit[0].state is UnitState.SHARDED:
                 self._gather(hit[0])
-                self._held.setdefault(name, set()).add(hit[0])
+                self.spans.hold(name, hit[0])
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         name = self._names.get(id(module))
-        if name is None or not self._running[name]:
+        if name is None or not self.spans.running(name):
             return
-        if any(n == name for n, _ in self._stack):  # modules inside that raised with a plain exit hook
-            while self._stack[-1][0] != name:      # (Note [exit hooks in compiled regions]) end here
-                self._ended(self._stack.pop()[0])
-            self._stack.pop()
-        self._ended(name)
-        if self._direct is not None and not self._stack:  # the directly called module's forward is over
+        for unit in self.spans.exit(name):
+            self.releases.span_end(unit)
+        if self._direct is not None and self.spans.empty:  # the directly called module's forward is over
             direct, self._direct = self._direct, None
             direct.close()
-
-    def _ended(self, name: str) -> None:
-        """One forward of the module ``name`` ended: its held units go once no call of it is running."""
-        self._running[name] -= 1
-        if not self._running[name]:
-            for unit in self._held.pop(name, ()):
-                self._release(unit)
-
-    def defer(self, unit: Unit) -> bool:
-        """At the end of ``unit``'s own forward: True when a learned span says keep it gathered for now."""
-        if any(unit in held for held in self._held.values()):  # declared external, or kept by a span already
-            return True
-        if self._quiet and unit in self.spans:  # its span's module may run inside compiled code: hold to the end
-            return True
-        span = self.spans.get(unit)
-        if span is not None and self._running[span]:
-            self._held.setdefault(span, set()).add(unit)
-            return True
-        self._released_in[unit] = {call for _, call in self._stack}
-        return False
-
-    def released_in_this_pass(self, unit: Unit) -> bool:
-        """Whether ``unit``'s own forward already ran and released it since this pass began."""
-        return unit in self._released_in
-
-    def learn(self, unit: Unit, reader: str) -> None:
-        """``unit`` was gathered (again) outside its own forward: keep it gathered until the forward of the
-        innermost module that was running both when it was released and now ends, in every later forward
-        too. Never released before in this forward: the innermost running module that contains it. In a
-        forward called on a part of the model: kept until that forward ends, nothing learned (Note [direct
-        calls])."""
-        part = self._stack[0][0] if self._direct is not None and self._stack else ""  # the module called
-        if part:
-            self._held.setdefault(part, set()).add(unit)
-            return
-        owner = unit.module_name
-        before = self._released_in.get(unit)
-        if before is not None:
-            span = next((m for m, call in reversed(self._stack) if call in before and m != owner), "")
-        else:
-            span = next((m for m, _ in reversed(self._stack)
-                         if m != owner and (m == "" or owner.startswith(m + "."))), "")
-        self.spans[unit] = span
-        self._held.setdefault(span, set()).add(unit)
-        if (owner, reader) not in self._reported:
-            self._reported.add((owner, reader))
-            log.info("stage 3: module %r reads the weights of %r outside its forward; they stay gathered "
-                     "until the forward of %r ends", reader or "<root>", owner or "<root>", span or "<root>")
+            self.state.direct = False
 
     def backward_reads(self, module: nn.Module, unit: Unit, args: Any) -> bool:
         """Whether the backward of ``module`` can read frozen ``unit``'s weights (Note [frozen units in backward]
@@ -376,25 +295,10 @@ class ParamUse:
             self._trains_inside[unit] = any(p.requires_grad for p in module.parameters())
         return self._trains_inside[unit]
 
-    def hold_until_inputs_grad(self, unit: Unit, args: Any) -> None:
-        """A frozen unit's weights are read by its backward (for its inputs' gradient) and by nothing after:
-        release it once the gradient of every input that needs one has been computed."""
-        inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not inputs:
-            return
-        left = [len(inputs)]
-
-        def done(grad: torch.Tensor) -> None:
-            left[0] -= 1
-            if left[0] == 0 and self._backward_open():
-                self._release(unit)
-        for t in inputs:
-            t.register_hook(done)
-
     # ---- between the passes (Note [reads between passes] in idle_watch.py) --------------------------------
     def check_idle(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Outside the passes: refuse a call that would read a released parameter's elements."""
-        if self._active:
+        if self.state.in_pass:
             return
         for a, _ in call_args(args, kwargs):
             self._check_idle_arg(func, a, args, kwargs)
@@ -453,18 +357,18 @@ class ParamUse:
         name = call_name(func)
         if name in METADATA:
             return
-        if first and ((name.endswith("_") and not name.startswith("__")) or name in INPLACE_DUNDERS):
+        if first and is_inplace(name):
             self._refuse(func, a)
         unit = hit[0]
         if unit.state is UnitState.SHARDED:
-            reader = self._stack[-1][0] if self._stack else ""
+            reader = self.spans.reader
             self._gather(unit)
-            if not self._backward_open():
-                self.learn(unit, reader)
+            if not self.state.backward_open:
+                self.spans.learn(unit, reader, self.state.direct)
 
     def _refuse(self, func: Any, param: Any) -> None:
         unit, slot = self._slot[id(param)]
-        reader = self._stack[-1][0] if self._stack else "<root>"
+        reader = self.spans.reader if not self.spans.empty else "<root>"
         raise ParameterAccessError(
             f"parameter {slot.name!r} (owned by module {unit.module_name or '<root>'!r}) was modified in place "
             f"by {call_name(func)!r} in the forward or backward of module {reader or '<root>'!r}; under ZeRO "

@@ -13,29 +13,21 @@ starts from those values as from a fresh model holding them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from zeropp.partition.unit import UnitState
 from zeropp.zero import gathered
-
-if TYPE_CHECKING:
-    from zeropp.zero.engine import ZeroEngine
+from zeropp.zero.state import EngineHandle
 
 
-def leave_whole(engine: "ZeroEngine") -> None:
-    """Note [leaving the model whole]. Collective."""
+def leave_whole(engine: EngineHandle) -> None:
+    """Note [leaving the model whole]: every parameter holds its current value in a storage of its own (the
+    engine then removes its hooks and forgets the units). Collective."""
     engine.join_update()
     gathered.gather_from_masters(engine)  # sharded units, as GatheredParameters gathers them (collective)
     with torch._C.DisableTorchFunction(), torch.no_grad():
-        for unit in engine.units:
+        for unit in engine.state.units:
             assert unit.state is UnitState.GATHERED
             for slot in unit.slots:
                 slot.param.data = slot.full[: slot.spec.numel].view(slot.spec.shape).clone()
             unit.release()  # the buffers only: the parameters own their storage now
-    for handle in engine.hooks + (engine.use.hooks if engine.use is not None else []):
-        handle.remove()
-    engine.hooks = []
-    engine.close()
-    gathered.untrack(engine)

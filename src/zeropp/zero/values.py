@@ -87,7 +87,7 @@ class Plan:
 
 
 class UnitValues:
-    """Each unit's chunks as the agreed :class:`Plan` says; :meth:`finish` settles buffers and digests."""
+    """Each unit's chunks as the agreed :class:`Plan` says; :meth:`finish` checks buffers and digests."""
 
     def __init__(self, comm: Comm, plan: Plan) -> None:
         self.comm = comm

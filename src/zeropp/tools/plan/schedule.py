@@ -9,7 +9,7 @@ running its collectives in the order they are issued. What the engine overlaps:
   two-hop world gather's first hop, across nodes, starts two units ahead and its second, inside the node,
   one unit ahead: Note [two-hop gather]). A
   prefetch starts only within ``stage3_prefetch_bucket_size`` (the next unit's padded elements) and
-  ``stage3_max_live_parameters`` (gathered + being gathered + the next unit), as ``zero/memory.py`` admits it;
+  ``stage3_max_live_parameters`` (gathered + being gathered + the next unit), as ``zero/budget.py`` admits it;
 * backward: the same, over the backward order, with the backward strategy (hpZ: the slices, inside a node);
 * gradients: a full bucket's reduction is issued and runs while backward continues; the next full bucket
   first completes the one in flight (the main thread waits for it). qgZ's second hop starts once the first

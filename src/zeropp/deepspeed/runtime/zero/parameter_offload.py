@@ -7,9 +7,9 @@ generation (``remove_hooks``: each of ``forward_hooks``/``backward_hooks`` remov
 anything; afterwards it puts them back (``add_hooks``: the coordinator's trace invalidated,
 ``_register_deepspeed_module(module)``).
 
-zeropp's hooks stay registered; what "off" means for them is the engine holding every unit gathered and releasing
-none (``engine.gathers.held_whole``, what ``engine.held_whole()`` sets), so removing the hooks turns that on and
-``_register_deepspeed_module`` turns it off again. The state lives in the engine, not in this view, so the view
+zeropp's hooks stay registered; what "off" means for them is the engine releasing no gathered unit and gathering
+nothing now (``engine.releases.stop()``; ``engine.held_whole()`` does the same after gathering every unit), so
+removing the hooks turns that on and ``_register_deepspeed_module`` turns it off again (``releases.resume()``). The state lives in the engine, not in this view, so the view
 ``add_hooks`` reaches (a new one) undoes what another one did. The coordinator's trace is the engine's learned
 gather order (what prefetching follows): invalidating it makes the next pass learn it again.
 """
@@ -29,7 +29,7 @@ class _ModuleHooks:
         self._engine = engine
 
     def remove(self) -> None:
-        self._engine.gathers.held_whole = True
+        self._engine.releases.stop()
 
 
 class _Coordinator:
@@ -39,11 +39,10 @@ class _Coordinator:
         self._engine = engine
 
     def is_invalid_trace(self) -> bool:
-        return not any(self._engine.gathers.last_order.values())
+        return not self._engine.gathers.knows_order
 
     def _invalidate_trace(self) -> None:
-        for order in self._engine.gathers.last_order.values():
-            order.clear()
+        self._engine.gathers.forget_order()
 
 
 class _ModuleView:
@@ -66,12 +65,12 @@ class ParameterOffload:
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self.module = _ModuleView(engine.module)
-        self.forward_hooks: list[Any] = [] if engine.gathers.held_whole else [_ModuleHooks(engine)]
+        self.forward_hooks: list[Any] = [_ModuleHooks(engine)] if engine.releases.releasing else []
         self.backward_hooks: list[Any] = []
         self.param_coordinator = _Coordinator(engine)
 
     def _register_deepspeed_module(self, module: Any) -> None:
         """Put the hooks back: the engine gathers and releases per unit again (units gathered now are released
         at their next use's end, or by the ``GatheredParameters`` block around the generation)."""
-        self._engine.gathers.held_whole = False
+        self._engine.releases.resume()
         self.forward_hooks = [_ModuleHooks(self._engine)]
