@@ -490,6 +490,18 @@ main_process_port: {port}
 """
 
 
+_ALONE: dict[str, dict] = {}
+
+
+def _alone(script: str) -> dict:
+    """What the accelerate script prints run in one process without DeepSpeed (the same for every launch)."""
+    if LAUNCHED not in _ALONE:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        alone = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
+        (_ALONE[LAUNCHED],) = _results(alone.stdout)
+    return _ALONE[LAUNCHED]
+
+
 @pytest.mark.parametrize("how", ["flags", "config_file"])
 def test_accelerate_launch_with_deepspeed_runs_through_zeropp(tmp_path: "os.PathLike[str]", how: str):
     """``zeropp run accelerate launch --use_deepspeed ...``: accelerate's launcher (which imports DeepSpeed's runner
@@ -515,10 +527,9 @@ def test_accelerate_launch_with_deepspeed_runs_through_zeropp(tmp_path: "os.Path
         launch = ["--config_file", accelerate_config]
     launched = subprocess.run([sys.executable, "-m", "zeropp.tools.cli", "run", "accelerate", "launch", *launch, script],
                               capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    alone = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
     log = launched.stdout + launched.stderr
     assert launched.returncode == 0, log[-3000:]
-    results, (want,) = _results(launched.stdout), _results(alone.stdout)
+    results, want = _results(launched.stdout), _alone(script)
     assert len(results) == 2  # both ranks
     for got in results:
         assert got["engine"] == "DeepSpeedEngine" and got["deepspeed"] == "zeropp.deepspeed"

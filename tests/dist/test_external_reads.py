@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import zeropp
+from support.matrix import Matrix
 from support.odd_models import MODELS, odd_batch
 from support.world import run_world
 from zeropp import accounting
@@ -124,18 +125,33 @@ def watched_calls(rank: int, world: int) -> int:
     return seen[0]
 
 
-def scenarios(rank: int, world: int) -> dict:
+# model x granularity x world size: each value in make test, the whole product under full_matrix
+SINGLE_PROCESS = Matrix(name=list(MODELS), gran=["block", "module"], size=[2, 3, 4])
+# the runs other tests read: the spans learned on 2 ranks, the ledger of one gather per pass on 4
+SPANS = [("parent_after_child", "module"), ("parent_after_child", "block"), ("child_weight", "module"),
+         ("called_twice", "module")]
+ONE_GATHER = ["child_weight", "sibling_share", "parent_after_child", "called_twice"]
+# model x (hpZ, ZeRO++, ZeRO++ per module) on 2 nodes x 2 ranks
+TWO_NODES = Matrix(name=list(MODELS), variant=["hpz", "zeropp", "zeropp_module"])
+
+
+def runs_for(size: int) -> list[tuple[str, str]]:
+    """The (model, granularity) runs the world of ``size`` ranks makes for this session's tests."""
+    runs = [(name, gran) for name, gran, s in SINGLE_PROCESS.cells() if s == size]
+    runs += SPANS if size == 2 else [(name, "module") for name in ONE_GATHER] if size == 4 else []
+    return list(dict.fromkeys(runs))
+
+
+def scenarios(rank: int, world: int, runs: list[tuple[str, str]]) -> dict:
     out = {}
-    for name in MODELS:
-        for gran in ("block", "module"):
-            out[name, gran] = train(rank, world, name, _config(gather_granularity=gran))
+    for name, gran in runs:
+        out[name, gran] = train(rank, world, name, _config(gather_granularity=gran))
     if world == 4:
         nodes = {"topology": {"ranks_per_node": 2}}
-        for name in MODELS:
-            out[name, "hpz"] = train(rank, world, name, {**_config(zero_hpz_partition_size=2), **nodes})
-            out[name, "zeropp"] = train(rank, world, name, {**_config(**ZEROPP), **nodes})
-            out[name, "zeropp_module"] = train(rank, world, name,
-                                               {**_config(gather_granularity="module", **ZEROPP), **nodes})
+        zero = {"hpz": {"zero_hpz_partition_size": 2}, "zeropp": ZEROPP,
+                "zeropp_module": {"gather_granularity": "module", **ZEROPP}}
+        for name, variant in TWO_NODES.cells():
+            out[name, variant] = train(rank, world, name, {**_config(**zero[variant]), **nodes})
         out["in_place"] = in_place_write(rank, world)
         out["watched_calls"] = watched_calls(rank, world)
     return out
@@ -143,7 +159,7 @@ def scenarios(rank: int, world: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def results_for(size: int) -> list:
-    return run_world(scenarios, size)
+    return run_world(scenarios, size, runs_for(size))
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,21 +172,19 @@ def _assert_close(got: list[float], want: list[float], tol: float, what: str) ->
         assert abs(g - w) / abs(w) <= tol, f"{what} step {step}: loss {g} vs single process {w}"
 
 
-@pytest.mark.parametrize("size", [2, 3, 4])
-@pytest.mark.parametrize("gran", ["block", "module"])
-@pytest.mark.parametrize("name", list(MODELS))
+@SINGLE_PROCESS.parametrize
 def test_trains_to_the_single_process_losses(name, gran, size):
     run = results_for(size)[0][name, gran]
     _assert_close(run["losses"], reference_for(name), 1e-5, f"{name} {gran} world {size}")
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_hpz_on_two_nodes_is_exact_and_zeropp_trains(name):
+@TWO_NODES.parametrize
+def test_hpz_on_two_nodes_is_exact_and_zeropp_trains(name, variant):
     res = results_for(4)[0]
-    _assert_close(res[name, "hpz"]["losses"], reference_for(name), 1e-5, f"{name} hpZ 2x2")
-    # qwZ (int8 weights) and qgZ (int4 gradients) perturb each step; four steps stay within a few percent
-    for gran in ("zeropp", "zeropp_module"):
-        _assert_close(res[name, gran]["losses"], reference_for(name), 3e-2, f"{name} {gran} 2x2")
+    # hpZ is exact; qwZ (int8 weights) and qgZ (int4 gradients) perturb each step, four steps stay within a few
+    # percent
+    _assert_close(res[name, variant]["losses"], reference_for(name), 1e-5 if variant == "hpz" else 3e-2,
+                  f"{name} {variant} 2x2")
 
 
 @pytest.mark.parametrize("name", ["child_weight", "sibling_share", "parent_after_child", "called_twice"])

@@ -11,8 +11,8 @@ Measured before: at stage 3 one unit at a time (``zeropp_coalesced_prefetch: fal
 ended in a signal (gloo's SIGABRT in its size check, once a SIGSEGV), which is why no case runs that way here; at
 stage 2 with buckets filled in arrival order, a trainable block left out on one rank ended in SIGABRT.
 
-Twelve seeds at two group sizes for stage 3 and twelve for stage 2 (about 30 seconds on 2 cores), and one seed
-of each kind with its outcome.
+Twelve seeds for stage 3, each at one of the two group sizes in ``make test`` (every seed at both under
+``pytest -m full_matrix``), twelve for stage 2, and one seed of each kind with its outcome.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import zeropp
+from support.matrix import Matrix
 from support.world import run_world
 from zeropp.zero.order_check import CollectiveOrderError
 
@@ -140,8 +141,7 @@ def test_a_divergent_rank_is_refused_by_name_or_trains_on(seed: int, bucket: int
     assert _check(seed, bucket) == expected
 
 
-@pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("bucket", BUCKETS)
+@Matrix(seed=list(range(12)), bucket=list(BUCKETS)).parametrize  # each seed in make test, both sizes under full_matrix
 def test_every_rank_ends_each_step_the_same_way(seed: int, bucket: int) -> None:
     assert _check(seed, bucket)[:2] == ["trained", "trained"]  # the ranks agree until rank 1 diverges at step 2
 

@@ -18,6 +18,7 @@ import os
 
 import pytest
 
+from support.matrix import Cases
 from support.world import run_world
 
 # not imported here: a rank imports this module before it installs the alias, and trl imports accelerate,
@@ -41,7 +42,8 @@ CASES = [
     ("mixin_lora_beta0", "mixin", PLAIN, True, 0.0, True),
     ("mixin_plus", "mixin", PLUS, False, 0.0, True),
 ]
-REFERENCE = {(lora, beta) for _, _, _, lora, beta, _ in CASES}
+# every road, LoRA or not, beta, gather and config in make test; every case under full_matrix
+RUN = Cases(CASES, [lambda c: c[1], lambda c: c[3], lambda c: c[4], lambda c: c[5], lambda c: id(c[2])])
 
 
 def reward(completions: list[str], **_: object) -> list[float]:
@@ -113,7 +115,7 @@ def generation_bytes() -> dict:
     return out
 
 
-def run(rank: int, world: int, root: str) -> dict:
+def run(rank: int, world: int, root: str, cases: list[tuple]) -> dict:
     import zeropp
     zeropp.install_deepspeed_alias()  # before transformers, for the DeepSpeed road's cases (run last)
     import torch.distributed as dist
@@ -124,17 +126,18 @@ def run(rank: int, world: int, root: str) -> dict:
         char_tokenizer().save_pretrained(os.path.join(root, "model"))
     dist.barrier()
     out = {("ddp", lora, beta): grpo(root, f"ddp_{lora}_{beta}", "ddp", None, lora, beta, True)
-           for lora, beta in sorted(REFERENCE)}
+           for lora, beta in sorted({(lora, beta) for _, _, _, lora, beta, _ in cases})}
     out["generation_bytes"] = generation_bytes()
     # the DeepSpeed road last: TrainingArguments(deepspeed=...) switches accelerate to DeepSpeed for the process
-    for name, road, config, lora, beta, gather in sorted(CASES, key=lambda c: c[1] == "deepspeed"):
+    for name, road, config, lora, beta, gather in sorted(cases, key=lambda c: c[1] == "deepspeed"):
         out[name] = grpo(root, name, road, config, lora, beta, gather)
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def results(root: str) -> list:
-    return run_world(run, RANKS, root, ranks_per_node=2, env={"ZEROPP_FRESH_INTERPRETER": "1"}, timeout=900)
+    return run_world(run, RANKS, root, RUN.cells(), ranks_per_node=2, env={"ZEROPP_FRESH_INTERPRETER": "1"},
+                     timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +145,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list:
     return results(str(tmp_path_factory.mktemp("grpo")))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", RUN.params())
 def test_grpo_matches_ddp(world: list, case: tuple) -> None:
     name, _, config, lora, beta, _ = case
     for rank in world:

@@ -10,7 +10,7 @@ product when the session selected any ``full_matrix`` test (``tests/conftest.py`
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import pytest
 
@@ -26,11 +26,13 @@ def full_run() -> bool:
 class Matrix:
     """The product of named axes (``Matrix(family=[...], variant=[...])``), in the order given."""
 
-    def __init__(self, **axes: Sequence[Any]) -> None:
+    def __init__(self, ids: Optional[dict[str, Callable[[Any], str]]] = None, **axes: Sequence[Any]) -> None:
+        """``ids``: how a value of an axis is named in a test id (default ``str``)."""
         if not axes or any(len(values) == 0 for values in axes.values()):
             raise ValueError(f"a matrix needs axes with values, got {axes}")
         self.names = list(axes)
         self.axes = [list(values) for values in axes.values()]
+        self.ids = [(ids or {}).get(name, str) for name in self.names]
 
     @property
     def product(self) -> list[tuple]:
@@ -51,15 +53,38 @@ class Matrix:
         """The rows this session runs: the whole product under ``full_matrix``, else the cover."""
         return self.product if full_run() else self.cover
 
-    def params(self, ids: Callable[[Any], str] = str) -> list[Any]:
+    def params(self) -> list[Any]:
         """The product as ``pytest.param``s, the rows outside the cover marked ``full_matrix``."""
-        cover = set(self.cover)
-        return [pytest.param(*row, id="-".join(ids(v) for v in row),
+        cover = self.cover
+        return [pytest.param(*row, id="-".join(name(v) for name, v in zip(self.ids, row)),
                              marks=() if row in cover else pytest.mark.full_matrix) for row in self.product]
 
     def parametrize(self, fn: Callable) -> Callable:
         """``@matrix.parametrize`` on a test taking the axes as arguments."""
         return pytest.mark.parametrize(",".join(self.names), self.params())(fn)
+
+
+class Cases:
+    """Hand-picked cases, each a row of attributes (not a whole product): ``make test`` runs a subset in which every
+    value of every attribute appears, chosen in the order given; the others are marked ``full_matrix``."""
+
+    def __init__(self, rows: Sequence[tuple], attributes: Sequence[Callable[[tuple], Any]],
+                 name: Callable[[tuple], str] = lambda row: str(row[0])) -> None:
+        self.rows, self.name = list(rows), name
+        missing = {(i, attr(row)) for row in self.rows for i, attr in enumerate(attributes)}
+        self.cover: list[tuple] = []
+        while missing:  # greedy: the row that covers most of what is missing, first among equals
+            best = max(self.rows, key=lambda row: len({(i, a(row)) for i, a in enumerate(attributes)} & missing))
+            self.cover.append(best)
+            missing -= {(i, a(best)) for i, a in enumerate(attributes)}
+        self.cover = [row for row in self.rows if row in self.cover]  # in the given order
+
+    def cells(self) -> list[tuple]:
+        return self.rows if full_run() else self.cover
+
+    def params(self) -> list[Any]:
+        return [pytest.param(row, id=self.name(row), marks=() if row in self.cover else pytest.mark.full_matrix)
+                for row in self.rows]
 
 
 def covers_every_value(rows: Iterable[tuple], axes: Sequence[Sequence[Any]]) -> bool:

@@ -7,7 +7,10 @@ Ranks are forked from a fork server that imported torch and zeropp once per test
 world of 4, against 7-8 s when every rank imports them itself). A rank takes the test process's environment,
 working directory and stdout/stderr as they are when the world starts, and runs the exit handlers a spawned
 interpreter would run. A world given ``env`` (settings read before Python runs, such as glibc's malloc
-tunables) is spawned, each rank a fresh interpreter.
+tunables) is spawned, each rank a fresh interpreter (a rank's memory is then its own, to the page). A world that
+only needs ranks that have not imported transformers yet (``ZEROPP_FRESH_INTERPRETER`` in ``env``: a rank that
+installs the DeepSpeed alias first) starts one fresh interpreter, a zygote, which imports torch and zeropp once
+and forks each rank from itself.
 """
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ import atexit
 import gc
 import os
 import pickle
+import signal
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -33,6 +38,10 @@ def _free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed", "zeropp", "zeropp.zero.engine", "zeropp.checkpoint", "zeropp.hf",
             "support.world", "transformers", "transformers.models.gpt2.modeling_gpt2",
             "transformers.models.llama.modeling_llama"]
+
+
+# what a zygote imports before it forks the ranks of a world that must not find transformers imported
+_FRESH_PRELOAD = ["torch", "torch.distributed", "zeropp", "zeropp.zero.engine", "zeropp.checkpoint", "support.world"]
 
 
 def _context(env: dict[str, str] | None) -> Any:
@@ -63,6 +72,15 @@ def _adopt(parent: dict[str, Any]) -> None:
         os.close(new)
 
 
+def _kill_group(p: Any) -> None:
+    """End a world's process and, for a zygote, the ranks it forked (its process group)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        p.kill()
+    p.join()
+
+
 def _finalize() -> None:
     """What a spawned rank's interpreter does at exit and a forked one skips (it leaves by ``os._exit``): collect
     garbage and run the exit handlers (weakref finalizers among them: offload files are removed there)."""
@@ -91,6 +109,42 @@ def _worker(rank: int, world: int, ranks_per_node: int, port: int, out_dir: str,
     _finalize()
 
 
+def _zygote(world: int, ranks_per_node: int, port: int, out_dir: str, fn: Callable, args: tuple,
+            parent: dict[str, Any]) -> None:
+    """A fresh interpreter: import torch and zeropp once (not transformers), then fork every rank and wait for them.
+    It leads a process group of its own, which holds the ranks: the parent ends the group on a timeout."""
+    import importlib
+    os.setpgid(0, 0)
+    for name in _FRESH_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _worker(rank, world, ranks_per_node, port, out_dir, fn, args, parent)
+            except BaseException:  # noqa: BLE001 - the result file says what happened; exit without cleanup
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+
+
+def _log_world(fn: Callable, world: int, seconds: float) -> None:
+    """``ZEROPP_TEST_WORLD_LOG=path``: one line per world (the test that started it, its size, its seconds), to see
+    where a suite's time goes."""
+    path = os.environ.get("ZEROPP_TEST_WORLD_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{getattr(fn, '__name__', fn)}\t"
+                    f"{world}\t{seconds:.2f}\n")
+
+
 def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None = None, timeout: float = 600,
               env: dict[str, str] | None = None, dead: frozenset[int] = frozenset()) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in rank order.
@@ -100,14 +154,26 @@ def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None =
     (fault-injection tests): once the others finish, a hung one is killed; their entry is their exit code.
     """
     rpn = ranks_per_node or world
+    start = time.perf_counter()
+    try:
+        return _run_world(fn, world, args, rpn, timeout, env, dead)
+    finally:
+        _log_world(fn, world, time.perf_counter() - start)
+
+
+def _run_world(fn: Callable, world: int, args: tuple, rpn: int, timeout: float, env: dict[str, str] | None,
+               dead: frozenset[int]) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = _context(env)
         port = _free_port()
         saved = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})
         parent = _parent()
-        procs = [ctx.Process(target=_worker, args=(r, world, rpn, port, out_dir, fn, args, parent))
-                 for r in range(world)]
+        if env and "ZEROPP_FRESH_INTERPRETER" in env and not dead:  # one fresh interpreter, the ranks forked from it
+            procs = [ctx.Process(target=_zygote, args=(world, rpn, port, out_dir, fn, args, parent))]
+        else:
+            procs = [ctx.Process(target=_worker, args=(r, world, rpn, port, out_dir, fn, args, parent))
+                     for r in range(world)]
         try:
             for p in procs:
                 p.start()
@@ -126,7 +192,7 @@ def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None =
                 p.join()
         for p in procs:
             if p.is_alive():
-                p.kill()
+                _kill_group(p)
                 raise TimeoutError(f"world of {world} did not finish in {timeout}s")
         results = []
         for r in range(world):
@@ -135,7 +201,9 @@ def run_world(fn: Callable, world: int, *args: Any, ranks_per_node: int | None =
                 results.append(procs[r].exitcode)
                 continue
             if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} exited with code {procs[r].exitcode} and no result")
+                code = procs[r].exitcode if len(procs) == world else f"? (forked by a zygote that exited with " \
+                    f"{procs[0].exitcode})"
+                raise RuntimeError(f"rank {r} exited with code {code} and no result")
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status == "error":

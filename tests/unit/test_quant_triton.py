@@ -35,6 +35,7 @@ from support.quant_cases import (
     stack_pieces,
     tie_rows,
 )
+from support.matrix import Matrix
 from zeropp.quant import BlockLayout, QuantizedRows, payload_bytes
 from zeropp.quant import blockwise as spec
 
@@ -43,6 +44,10 @@ if importlib.util.find_spec("triton") is None:  # not imported here: this proces
 
 WORKER_FLAG = "--triton-interpreter-worker"
 LAYOUT_IDS = [name for name, _ in SMALL_LAYOUTS]
+# layouts x dtypes x bits: each value in make test, every combination under full_matrix
+_NAMES = {"case": lambda c: c[0]}
+QUANTIZE = Matrix(ids=_NAMES, case=SMALL_LAYOUTS, dtype=DTYPES, bits=BITS)
+BY_BITS = Matrix(ids=_NAMES, case=SMALL_LAYOUTS, bits=BITS)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -124,17 +129,14 @@ def test_worker_runs_the_kernels_in_the_interpreter(tk):
 # quantize / dequantize
 
 
-@pytest.mark.parametrize("case", SMALL_LAYOUTS, ids=LAYOUT_IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("bits", BITS)
+@QUANTIZE.parametrize
 def test_quantize_bit_identical(tk, case, dtype, bits):
     _, layout = case
     x = build_rows(layout, dtype, seed=10)
     assert_same_rows(tk("quantize", x, layout, bits), spec.quantize(x, layout, bits))
 
 
-@pytest.mark.parametrize("case", SMALL_LAYOUTS, ids=LAYOUT_IDS)
-@pytest.mark.parametrize("bits", BITS)
+@BY_BITS.parametrize
 def test_dequantize_bit_identical(tk, case, bits):
     _, layout = case
     q = spec.quantize(build_rows(layout, torch.float32, seed=20), layout, bits)
@@ -215,8 +217,7 @@ def assert_same_outcome(tk, name: str, *args, **kwargs) -> None:
         assert_same_result(got[1], want[1])
 
 
-@pytest.mark.parametrize("case", SMALL_LAYOUTS, ids=LAYOUT_IDS)
-@pytest.mark.parametrize("bits", BITS)
+@BY_BITS.parametrize
 def test_dequantize_sum_bit_identical(tk, case, bits):
     _, layout = case
     q = stack_pieces(layout, bits, 2, seed=50)  # 6 rows
@@ -224,8 +225,7 @@ def test_dequantize_sum_bit_identical(tk, case, bits):
     assert_same_outcome(tk, "dequantize_sum", q, layout, bits, 6, divisor=7.3)
 
 
-@pytest.mark.parametrize("case", SMALL_LAYOUTS, ids=LAYOUT_IDS)
-@pytest.mark.parametrize("bits", BITS)
+@BY_BITS.parametrize
 def test_dequantize_sum_quantize_bit_identical(tk, case, bits):
     """Row 2 of each piece holds values near the largest float: their sums overflow, which poisons those
     blocks in both implementations (the raising mode: test_fused_step_with_poisoned_pieces)."""
