@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
+from support.matrix import Matrix
 from support.models import MixedScales, TiedNet, rank_slice, tied_batch
 from support.qgz_case import BLOCK, SEGMENTS, bucket_for, exact_mean
 from support.train import config, train_engine
@@ -194,9 +195,12 @@ def qgz_bound(world: int, dest: int, dtype: torch.dtype, bits: int) -> torch.Ten
     return total / world * (1 + 1e-5) + 1e-7
 
 
-@pytest.mark.parametrize("size", [4, 6], ids=["2x2", "3x2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("bits", [2, 4, 8])
+# world x dtype x bits: each value in make test, every combination under full_matrix
+QGZ = Matrix(ids={"size": {4: "2x2", 6: "3x2"}.get, "dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}.get},
+             size=[4, 6], dtype=[torch.float32, torch.bfloat16], bits=[2, 4, 8])
+
+
+@QGZ.parametrize
 def test_qgz_matches_exact_reduce_scatter_within_bound(size, dtype, bits):
     results = qgz_world(size)
     exact = exact_mean(size, dtype)
