@@ -209,6 +209,7 @@ class DsState:
     client_state: dict = field(default_factory=dict)
     loss_scale: Optional[dict] = None  # the loss scaler's attributes
     ds_config: Any = None
+    module_keys: list[str] = field(default_factory=list)  # the model's state-dict keys, in the files' order
 
 
 def read(tag_dir: str) -> DsState:
@@ -242,6 +243,7 @@ def read(tag_dir: str) -> DsState:
     scaler = inner[0].get("loss_scaler")
     state.loss_scale = dict(vars(scaler)) if scaler is not None else None
     state.ds_config = head.get("ds_config")
+    state.module_keys = list(head["module"])
     return state
 
 

@@ -242,6 +242,35 @@ def export_deepspeed(args: argparse.Namespace) -> int:
                                                                       args.drop_unsupported))
 
 
+def _universal_parser(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser(
+        "to-universal",
+        help="write a checkpoint as a universal one, which loads on any world size and ZeRO stage",
+        description="Read checkpoint SRC (a zeropp or a DeepSpeed ZeRO checkpoint: its save directory, with --tag "
+        "or the tag its latest names, or a tag directory) and write every parameter whole, its fp32 value and "
+        "Adam's moments and step, with the optimizer groups, the schedule's position, the global step, buffers "
+        "and client state, into the folder OUT, named in OUT's parent's latest_universal. --format deepspeed "
+        "(default) writes DeepSpeed's universal layout (OUT/zero/<param>/fp32.pt ..., as DeepSpeed's "
+        "ds_to_universal), which DeepSpeed 0.19.8 loads at any stage and world size with "
+        "\"checkpoint\": {\"load_universal\": true}; --format zeropp writes zeropp's own files (safetensors and "
+        "JSON). zeropp loads both the same way. Needs no torch.distributed.",
+    )
+    p.add_argument("src", metavar="SRC", help="the checkpoint: a save directory or a tag directory")
+    p.add_argument("out", metavar="OUT", help="the universal folder to write (e.g. ckpt/global_step3_universal)")
+    p.add_argument("--tag", default=None, help="tag of SRC to convert (default: the one SRC/latest names)")
+    p.add_argument("--format", choices=("deepspeed", "zeropp"), default="deepspeed",
+                   help="DeepSpeed's universal layout (default) or zeropp's own files")
+    p.add_argument("--drop-unsupported", action="store_true",
+                   help="convert without what the format cannot hold (LoCo's kept errors), with a warning")
+
+
+def to_universal(args: argparse.Namespace) -> int:
+    from zeropp.deepspeed.checkpoint.universal_io import to_universal as run_convert
+
+    return _checkpoint_command("to-universal", lambda: run_convert(args.src, args.out, args.tag, args.format,
+                                                                   args.drop_unsupported))
+
+
 def _bench_parser(sub: "argparse._SubParsersAction") -> None:
     from zeropp.tools.cluster_bench.run import parser as bench_parser
 
@@ -286,6 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _convert_parser(sub)
     _export_parser(sub)
     _verify_parser(sub)
+    _universal_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
     _run_parser(sub)
@@ -300,6 +330,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return convert_checkpoint(args)
     if args.command == "verify-checkpoint":
         return verify_checkpoint(args)
+    if args.command == "to-universal":
+        return to_universal(args)
     if args.command == "bench":
         return bench(args, argv)
     if args.command == "plan":

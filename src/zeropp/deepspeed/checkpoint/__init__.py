@@ -1,6 +1,9 @@
-"""``deepspeed.checkpoint``: the checkpoint helpers integrations call (``utils.clone_tensors_for_torch_save``).
-DeepSpeed's ZeRO checkpoint files themselves are read and written by ``zeropp/deepspeed/checkpoint_format.py``
-and ``checkpoint_io.py``."""
-from zeropp.deepspeed.checkpoint import utils
+"""``deepspeed.checkpoint``: the checkpoint helpers integrations call (``utils.clone_tensors_for_torch_save``), the key
+names of DeepSpeed's checkpoint files (``constants``, also here: ``UNIVERSAL_CHECKPOINT_INFO`` ...), and universal
+checkpoints: ``ds_to_universal`` (DeepSpeed's converter, over zeropp's) and ``universal_io`` (DeepSpeed's universal
+layout read and written without DeepSpeed). DeepSpeed's ZeRO checkpoint files themselves are read and written by
+``zeropp/deepspeed/checkpoint_format.py`` and ``checkpoint_io.py``."""
+from zeropp.deepspeed.checkpoint import constants, utils
+from zeropp.deepspeed.checkpoint.constants import *  # noqa: F401,F403 - DeepSpeed's package exports them too
 
-__all__ = ["utils"]
+__all__ = ["utils", "constants", *[n for n in dir(constants) if n.isupper()]]

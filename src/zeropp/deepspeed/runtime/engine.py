@@ -34,6 +34,7 @@ import torch
 from zeropp import checkpoint
 from zeropp.deepspeed.checkpoint_format import deepspeed_tag_dir
 from zeropp.deepspeed.checkpoint_io import load_deepspeed
+from zeropp.deepspeed.checkpoint.universal_io import load_universal_checkpoint, loads_universal
 from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
 from zeropp.deepspeed.runtime.zero.zero_optimizer import ZeroOptimizerView, zero_optimizer_view
 from zeropp.deepspeed.utils.timer import ThroughputTimer
@@ -233,6 +234,8 @@ class ZeroppEngine(ZeroEngine):
         ``(None, None)`` with a warning when ``tag`` is None and ``load_dir`` is missing or holds no complete
         tag, so a restarted job can always call it; ``latest`` falls back past a damaged tag. A DeepSpeed ZeRO
         checkpoint (``latest`` and ``global_stepN/*_optim_states.pt``) is imported (``checkpoint_io.py``).
+        With ``"checkpoint": {"load_universal": true}`` it reads a universal checkpoint (``latest_universal`` names
+        its folder; DeepSpeed's layout or zeropp's), on any world size and stage (``checkpoint/universal_io.py``).
         ``load_module_strict=False`` also loads a checkpoint saved with ``exclude_frozen_parameters`` (the model
         keeps its own frozen values); it relaxes nothing else: every other parameter must be there and fit.
         ``custom_load_fn`` is not supported yet.
@@ -240,6 +243,9 @@ class ZeroppEngine(ZeroEngine):
         if custom_load_fn is not None:
             raise DeepSpeedAPIError("load_checkpoint: custom_load_fn is not implemented by zeropp yet (a checkpoint "
                                     "restores every parameter it holds)")
+        if loads_universal(self.config):  # checkpoint.load_universal: latest_universal, any world size and stage
+            return load_universal_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                             load_module_only, strict=load_module_strict)
         ds_tag = deepspeed_tag_dir(load_dir, tag)
         if ds_tag is not None:
             return load_deepspeed(self, ds_tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
