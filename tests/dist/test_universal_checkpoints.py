@@ -6,8 +6,9 @@
   steps DeepSpeed's own, bit for bit; the next 5 steps' losses equal DeepSpeed's continuation of the same universal
   checkpoint on 4 ranks, and its uninterrupted run.
 * zeropp saves a run on 2 ranks, converts it (``to_universal``: DeepSpeed's layout and zeropp's), and loads it on 4
-  ranks into another stage: the weights and moments are the saved ones bit for bit, and the next 5 steps' losses are
-  those of the run that went on uninterrupted on 2 ranks.
+  ranks into another stage (stage 0 too): the weights and moments are the saved ones bit for bit, and the next 5 steps'
+  losses are those of the run that went on uninterrupted on 2 ranks; also for a model with a weight under two names
+  and a frozen layer.
 * a damaged universal checkpoint raises a named error on every rank and leaves the engine as it was.
 """
 from __future__ import annotations
@@ -23,11 +24,13 @@ import tempfile
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 import zeropp
 from support.ds_reference import ds_batch, ds_loss, make_model
 from support.world import run_world
 from zeropp.checkpoint import CheckpointError
+from zeropp.deepspeed import checkpoint_format as fmt
 from zeropp.deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
 from zeropp.deepspeed.checkpoint.universal_io import to_universal
 
@@ -35,8 +38,31 @@ DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 FIRST, CONTINUED = 3, 5
 # DeepSpeed-made universal checkpoint -> the zeropp stage it loads into on 4 ranks (another than DeepSpeed saved)
 DS_LOADS = {"stage2_fp32": 3, "stage3_bf16": 1}
-# zeropp's own runs on 2 ranks: (stage, bf16) saved -> (stage, layout) loaded on 4 ranks
-OWN_RUNS = {"own_s2_fp32": ((2, False), (3, "deepspeed")), "own_s3_bf16": ((3, True), (0, "zeropp"))}
+# zeropp's own runs on 2 ranks: (model, (stage, bf16) saved) -> (stage, layout) loaded on 4 ranks
+OWN_RUNS = {"own_s2_fp32": (("ds", (2, False)), (3, "deepspeed")), "own_s3_bf16": (("ds", (3, True)), (0, "zeropp")),
+            "tied_frozen_s3": (("tied", (3, False)), (1, "deepspeed")),
+            "tied_frozen_s1": (("tied", (1, False)), (2, "zeropp"))}
+
+
+class TiedFrozen(nn.Module):
+    """A weight under two names (``a.weight`` is ``b.weight``) and a frozen layer between them."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(8, 8, bias=False)
+        self.mid = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(8, 5)
+        self.mid.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(torch.tanh(self.mid(torch.tanh(self.a(x))))))
+
+
+def model(kind: str, seed: int) -> nn.Module:
+    return make_model(seed) if kind == "ds" else TiedFrozen(seed)
 
 
 def ds_config(stage: int, bf16: bool, world: int, universal: bool = False) -> dict:
@@ -67,7 +93,7 @@ def full_state(engine) -> dict:
         for slot, view in zip(u.slots, u.master_views()):
             st = engine.optimizer.state.get(view, {})
             entry = {"step": float(st["step"])} if "step" in st else {}
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ("exp_avg", "exp_avg_sq") if st else ():  # a frozen parameter has none
                 rows = [torch.empty_like(st[key]) for _ in range(world)]
                 torch.distributed.all_gather(rows, st[key].contiguous())
                 entry[key] = torch.cat(rows)[: slot.spec.numel].view(slot.spec.shape)  # stage 0: rank 0's whole
@@ -90,9 +116,9 @@ def train(engine, rank: int, world: int, dtype: torch.dtype) -> list[float]:
 # ---- world 2: zeropp's own runs -----------------------------------------------------------------------------------
 def save_own_runs(rank: int, world: int, root: str) -> dict:
     out = {}
-    for run, ((stage, bf16), _) in OWN_RUNS.items():
+    for run, ((kind, (stage, bf16)), _) in OWN_RUNS.items():
         dtype = torch.bfloat16 if bf16 else torch.float32
-        engine, *_ = zeropp.initialize(model=make_model(0), config=ds_config(stage, bf16, world))
+        engine, *_ = zeropp.initialize(model=model(kind, 0), config=ds_config(stage, bf16, world))
         for step in range(FIRST):
             engine.backward(ds_loss(engine, *batch(step, rank, world), dtype=dtype))
             engine.step()
@@ -104,8 +130,8 @@ def save_own_runs(rank: int, world: int, root: str) -> dict:
 
 
 # ---- world 4: every load ------------------------------------------------------------------------------------------
-def load(rank: int, world: int, ckpt: str, stage: int, bf16: bool) -> dict:
-    engine, *_ = zeropp.initialize(model=make_model(1234), config=ds_config(stage, bf16, world, universal=True))
+def load(rank: int, world: int, ckpt: str, stage: int, bf16: bool, kind: str = "ds") -> dict:
+    engine, *_ = zeropp.initialize(model=model(kind, 1234), config=ds_config(stage, bf16, world, universal=True))
     path, client = engine.load_checkpoint(ckpt)
     got = {"path": path, "client": client, "lr": engine.get_lr(), "global_steps": engine.global_steps,
            **full_state(engine)}
@@ -140,8 +166,8 @@ def load_everything(rank: int, world: int, root: str) -> dict:
     out = {}
     for case, stage in DS_LOADS.items():
         out[case] = load(rank, world, os.path.join(DATA, "deepspeed_universal", case), stage, "bf16" in case)
-    for run, ((_, bf16), (stage, _)) in OWN_RUNS.items():
-        out[run] = load(rank, world, os.path.join(root, f"{run}_universal"), stage, bf16)
+    for run, ((kind, (_, bf16)), (stage, _)) in OWN_RUNS.items():
+        out[run] = load(rank, world, os.path.join(root, f"{run}_universal"), stage, bf16, kind)
     out["damaged"] = damaged(rank, world, root)
     return out
 
@@ -190,7 +216,7 @@ def test_deepspeeds_universal_checkpoint_loads_on_4_ranks_into_another_stage(cas
 
 @pytest.mark.parametrize("run", list(OWN_RUNS))
 def test_a_zeropp_run_converted_loads_on_4_ranks_and_continues_as_uninterrupted(run):
-    saved, loaded, _ = results()
+    saved, loaded, root = results()
     want = saved[0][run]
     for got in (r[run] for r in loaded):
         # DeepSpeed's layout carries universal_checkpoint_info in the model states, and DeepSpeed's loads return it
@@ -199,9 +225,20 @@ def test_a_zeropp_run_converted_loads_on_4_ranks_and_continues_as_uninterrupted(
         for name, t in want["weights"].items():
             assert torch.equal(got["weights"][name], t), name
         for name, st in want["moments"].items():
-            assert got["moments"][name]["step"] == st["step"] == 3.0
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(got["moments"][name][key], st[key]), (name, key)
+            assert got["moments"][name].keys() == st.keys() and st.get("step", 3.0) == 3.0, name
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert key not in st or torch.equal(torch.as_tensor(got["moments"][name][key]),
+                                                    torch.as_tensor(st[key])), (name, key)
+    if run.startswith("tied"):  # both names of the tied weight, and the frozen layer (another seed in the model)
+        assert {"a.weight", "b.weight", "mid.weight", "mid.bias"} <= set(want["weights"])
+        assert not want["moments"]["mid.weight"] and not loaded[0][run]["moments"]["mid.weight"]
+    if OWN_RUNS[run][1][1] == "deepspeed":
+        folder = os.path.join(root, f"{run}_universal", "global_step3_universal")
+        states = fmt.load_file(os.path.join(folder, "mp_rank_00_model_states.pt"))
+        assert [list(g) for g in states["param_shapes"]] == [[n for n in want["moments"] if want["moments"][n]]]
+        if run.startswith("tied"):
+            assert states["shared_params"] == {"b.weight": "a.weight"}
+            assert list(states["frozen_param_shapes"]) == ["mid.weight", "mid.bias"]
     tolerance = 2e-3 if "bf16" in run else 1e-6
     ours, uninterrupted = loaded[0][run]["losses"], want["losses"]
     assert all(math.isclose(a, b, rel_tol=tolerance) for a, b in zip(ours, uninterrupted)), (ours, uninterrupted)
