@@ -211,7 +211,7 @@ def test_import_of_an_export_is_the_checkpoint_bit_for_bit(world, tmp_path):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(back.moments[name][key], want.optimizer[name][key]), (name, key)
         assert back.steps[name] == float(want.optimizer[name]["step"])
-    assert back.scheduler == {"last_batch_iteration": int(want.rank0["scheduler"]["last_epoch"]) - 1}
+    assert back.scheduler == want.rank0["scheduler"] == {"last_batch_iteration": back.counters["global_steps"] - 1}
     assert back.counters["global_steps"] == want.manifest.raw["engine"]["global_steps"]
     assert back.client_state == want.client_state
     assert torch.equal(back.buffers["out_shift"], want.state_dict["out_shift"].float())

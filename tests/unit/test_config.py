@@ -299,9 +299,6 @@ def test_bf16_and_fp16_together_is_a_plain_config_error() -> None:
     ({"optimizer": {"type": "AdamW", "params": {"maximize": True}},
       **stage3(offload_optimizer={"device": "cpu"})}, "optimizer.params.maximize"),
     ({"aio": {"use_gds": True}, **stage3()}, "aio.use_gds"),
-    ({"scheduler": {"type": "OneCycle", "params": {}}, **stage3()}, "scheduler.type"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5}}, **stage3()},
-     "scheduler.params.last_batch_iteration"),
 ])
 def test_not_supported_yet(raw: dict, path: str) -> None:
     err = error_of(raw)

@@ -1,6 +1,7 @@
 """The training config: DeepSpeed's JSON read into typed sections and settled once.
 
 - ``schema.py``: the sections and their keys (pydantic models, each key with its doc and status);
+- ``scheduler.py``: the ``scheduler`` section, DeepSpeed's five learning-rate schedules and their params;
 - ``legacy.py``: DeepSpeed's older spellings, translated before validation;
 - ``auto.py``: Hugging Face's ``"auto"`` values, filled from what is known;
 - ``loader.py``: reading a file or dict into :class:`ZeroppConfig`, with every problem in one error;

@@ -41,9 +41,7 @@ from zeropp.config.schema import (
     DSSteps,
     DataTypesConfig,
     UNBUILT_OPTIMIZERS,
-    UNBUILT_SCHEDULERS,
     OPTIMIZER_TYPES,
-    SCHEDULER_TYPES,
     STATUS_IMPLEMENTED,
     STATUS_PARTIAL,
     STATUS_TUNING,
@@ -53,7 +51,6 @@ from zeropp.config.schema import (
     AdamParams,
     AioConfig,
     AnyOptimizerConfig,
-    AnySchedulerConfig,
     Bf16Config,
     CompileConfig,
     DSInt,
@@ -64,22 +61,31 @@ from zeropp.config.schema import (
     OffloadParamConfig,
     OptimizerConfig,
     OtherOptimizerConfig,
-    OtherSchedulerConfig,
-    SchedulerConfig,
     Section,
     SGDOptimizerConfig,
     SGDParams,
     TensorParallelConfig,
     TopologyConfig,
+    ZeroConfig,
+    deepcompile_keys,
+    problem,
+)
+from zeropp.config.scheduler import (
+    SCHEDULER_TAGS,
+    SCHEDULER_TYPES,
+    AnySchedulerConfig,
+    LRRangeTestConfig,
+    LRRangeTestParams,
+    OneCycleConfig,
+    OneCycleParams,
+    OtherSchedulerConfig,
+    SchedulerConfig,
     WarmupCosineLRConfig,
     WarmupCosineLRParams,
     WarmupDecayLRConfig,
     WarmupDecayLRParams,
     WarmupLRConfig,
     WarmupLRParams,
-    ZeroConfig,
-    deepcompile_keys,
-    problem,
 )
 
 __all__ = [
@@ -88,7 +94,8 @@ __all__ = [
     "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "AdamOptimizerConfig",
     "SGDOptimizerConfig", "OtherOptimizerConfig", "AdamParams", "SGDParams", "SchedulerConfig",
     "WarmupLRConfig", "WarmupDecayLRConfig", "WarmupCosineLRConfig", "OtherSchedulerConfig",
-    "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OPTIMIZER_TYPES", "SCHEDULER_TYPES",
+    "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleConfig", "OneCycleParams",
+    "LRRangeTestConfig", "LRRangeTestParams", "OPTIMIZER_TYPES", "SCHEDULER_TYPES",
 ]
 
 
@@ -265,10 +272,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0,
                 "MiCS sub-group sharding; accepted: -1"),
     Unsupported("aio.use_gds", lambda v: v is True, "GPUDirect Storage; accepted: false"),
-    Unsupported("scheduler.type", lambda v: v in UNBUILT_SCHEDULERS,
-                f"accepted: {', '.join(SCHEDULER_TYPES)}"),
-    Unsupported("scheduler.params.last_batch_iteration", lambda v: v != -1,
-                "resume a schedule through its state_dict instead; accepted: -1"),
     *(Unsupported(f"compile.{key}", lambda v, d=default: v != d,
                   f"DeepCompile, DeepSpeed's ZeRO as compiler passes; torch.compile works without it "
                   f"(compile.enabled, engine.compile); accepted: {json_short(default)}")
@@ -481,7 +484,7 @@ def _walk(loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, FieldInfo | Non
     owner, field = None, None
     for part in loc:
         if _is_tag(part):
-            model = UNION_TAGS.get(part)
+            model = UNION_TAGS.get(part) or SCHEDULER_TAGS.get(part)
             continue
         if model is None or not isinstance(part, str):
             return None, None
@@ -513,8 +516,8 @@ def _type_words(annotation: Any) -> str:
         return " or ".join(_json(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_words(a) for a in args)
-    if origin is tuple:
-        return f"a list of {len(args)} numbers"
+    if origin is tuple:  # tuple[float, ...]: a list of any length (a scheduler's per-group values)
+        return "a list of numbers" if args[-1] is Ellipsis else f"a list of {len(args)} numbers"
     words = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
              type(None): "null", dict: "an object"}
     if annotation in words or origin in words:

@@ -623,98 +623,13 @@ class OtherOptimizerConfig(OptimizerConfig):
         return v
 
 
-# ---------------------------------------------------------------------------------------------- scheduler
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-UNBUILT_SCHEDULERS = ("OneCycle", "LRRangeTest")
-
-
-class WarmupLRParams(Section):
-    """`scheduler.params` for WarmupLR: warm up from warmup_min_lr to warmup_max_lr, then hold."""
-
-    warmup_min_lr: Number = F(0.0, ge=0, doc="Learning rate at the start of warmup.")
-    warmup_max_lr: Number | None = F(None, ge=0, doc="Learning rate after warmup; null = the optimizer's "
-                                     "lr (as in current DeepSpeed).")
-    warmup_num_steps: DSInt = F(1000, ge=1, doc="Warmup length in steps (at least 2 is used).")
-    warmup_type: Literal["log", "linear"] = F("log", doc="Warmup curve: log(i+1)/log(n) or i/n.")
-    last_batch_iteration: DSInt = F(-1, ge=-1, doc="DeepSpeed resume index; only -1 is supported "
-                                    "(resume through the scheduler's state_dict).", status=STATUS_PARTIAL)
-
-
-class WarmupDecayLRParams(WarmupLRParams):
-    """`scheduler.params` for WarmupDecayLR: WarmupLR, then linear decay back to warmup_min_lr."""
-
-    total_num_steps: DSInt = F(ge=1, doc="Step at which the decay reaches warmup_min_lr (required).")
-    warmup_max_lr: Number = F(0.001, ge=0, doc="Learning rate after warmup (DeepSpeed default 0.001).")
-
-
-class WarmupCosineLRParams(Section):
-    """`scheduler.params` for WarmupCosineLR: ratios of the optimizer's lr, warmup then cosine decay."""
-
-    total_num_steps: DSInt = F(ge=1, doc="Step at which the cosine reaches cos_min_ratio (required).")
-    warmup_min_ratio: Number = F(0.0, ge=0, doc="lr ratio at the start of warmup.")
-    warmup_num_steps: DSInt = F(1000, ge=1, doc="Warmup length in steps (at least 2 is used).")
-    cos_min_ratio: Number = F(0.0001, ge=0, doc="lr ratio at the end of the cosine decay.")
-    warmup_type: Literal["log", "linear"] = F("log", doc="Warmup curve: log(i+1)/log(n) or i/n.")
-    last_batch_iteration: DSInt = F(-1, ge=-1, doc="DeepSpeed resume index; only -1 is supported.",
-                                    status=STATUS_PARTIAL)
-
-
-class SchedulerConfig(Section):
-    """`scheduler`: `{"type": ..., "params": {...}}` with DeepSpeed's scheduler and parameter names."""
-
-    type: str = F(doc="WarmupLR, WarmupDecayLR or WarmupCosineLR.")
-    params: Any = F(doc="Scheduler parameters; keys depend on the type.")
-    known_types: ClassVar[tuple[str, ...]] = SCHEDULER_TYPES + UNBUILT_SCHEDULERS
-
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults(cls, data: Any) -> Any:
-        return _typed_section_defaults(data, cls.known_types)
-
-
-class WarmupLRConfig(SchedulerConfig):
-    """`scheduler` with type WarmupLR."""
-
-    type: Literal["WarmupLR"] = F(doc="WarmupLR.")
-    params: WarmupLRParams = F(default_factory=WarmupLRParams, doc="WarmupLR parameters.")
-
-
-class WarmupDecayLRConfig(SchedulerConfig):
-    """`scheduler` with type WarmupDecayLR."""
-
-    type: Literal["WarmupDecayLR"] = F(doc="WarmupDecayLR.")
-    params: WarmupDecayLRParams = F(doc="WarmupDecayLR parameters.")
-
-
-class WarmupCosineLRConfig(SchedulerConfig):
-    """`scheduler` with type WarmupCosineLR."""
-
-    type: Literal["WarmupCosineLR"] = F(doc="WarmupCosineLR.")
-    params: WarmupCosineLRParams = F(doc="WarmupCosineLR parameters.")
-
-
-class OtherSchedulerConfig(SchedulerConfig):
-    """`scheduler` with a DeepSpeed-only type; it loads, then `check_supported` rejects it."""
-
-    type: str = F(doc="A DeepSpeed scheduler type zeropp does not build yet.", status=STATUS_NOT_YET)
-    params: dict[str, Any] = F(default_factory=dict, doc="Not validated.", status=STATUS_NOT_YET)
-
-    @field_validator("type")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in UNBUILT_SCHEDULERS:
-            raise problem(f"unknown scheduler type {v!r}", ", ".join(SCHEDULER_TYPES))
-        return v
-
-
 # ------------------------------------------------------------------------------------------ tagged unions
 # Pydantic puts the tag into error locations; tags look like "<Adam>" so `zeropp.config` can drop them
 # from the JSON paths it reports, and map them back to the model when it lists the accepted keys.
 UNION_TAGS: dict[str, type[Section]] = {
     "<Adam>": AdamOptimizerConfig, "<SGD>": SGDOptimizerConfig, "<optimizer>": OtherOptimizerConfig,
-    "<WarmupLR>": WarmupLRConfig, "<WarmupDecayLR>": WarmupDecayLRConfig,
-    "<WarmupCosineLR>": WarmupCosineLRConfig, "<scheduler>": OtherSchedulerConfig,
 }
+"""The optimizer's tags; the scheduler's are `zeropp.config.scheduler.SCHEDULER_TAGS`."""
 
 
 def _tagger(table: dict[str, str], fallback: str) -> Any:
@@ -733,10 +648,4 @@ AnyOptimizerConfig = Annotated[
     Union[Annotated[AdamOptimizerConfig, Tag("<Adam>")], Annotated[SGDOptimizerConfig, Tag("<SGD>")],
           Annotated[OtherOptimizerConfig, Tag("<optimizer>")]],
     Discriminator(_tagger({"adam": "<Adam>", "adamw": "<Adam>", "sgd": "<SGD>"}, "<optimizer>")),
-]
-AnySchedulerConfig = Annotated[
-    Union[Annotated[WarmupLRConfig, Tag("<WarmupLR>")], Annotated[WarmupDecayLRConfig, Tag("<WarmupDecayLR>")],
-          Annotated[WarmupCosineLRConfig, Tag("<WarmupCosineLR>")],
-          Annotated[OtherSchedulerConfig, Tag("<scheduler>")]],
-    Discriminator(_tagger({t.lower(): f"<{t}>" for t in SCHEDULER_TYPES}, "<scheduler>")),
 ]

@@ -20,11 +20,12 @@ from zeropp.deepspeed.missing import DeepSpeedAPIError, module_getattr
 from zeropp.deepspeed.module_api import InitResult, add_config_arguments, init_distributed
 from zeropp.deepspeed.module_api import initialize as _initialize
 from zeropp.deepspeed.runtime.engine import DeepSpeedEngine
+from zeropp.deepspeed.runtime.lr_schedules import add_tuning_arguments
 
 __version__ = "0.19.8"
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "checkpointing", "utils", "runtime",
-           "comm", "ops", "accelerator", "checkpoint", "get_accelerator", "DeepSpeedEngine", "DeepSpeedAPIError",
-           "__zeropp_version__"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "zero", "checkpointing",
+           "utils", "runtime", "comm", "ops", "accelerator", "checkpoint", "get_accelerator", "DeepSpeedEngine",
+           "DeepSpeedAPIError", "__zeropp_version__"]
 
 
 def initialize(*args: Any, **kwargs: Any) -> InitResult:

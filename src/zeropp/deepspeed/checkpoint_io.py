@@ -144,11 +144,10 @@ def _scheduler(engine: ZeroEngine, ds: fmt.DsState) -> Optional[dict]:
     sched = engine.lr_scheduler
     if sched is None or ds.scheduler is None:
         return None
-    if not hasattr(sched, "lr_at") or "last_batch_iteration" not in ds.scheduler:
+    if "last_batch_iteration" not in sched.state_dict() or "last_batch_iteration" not in ds.scheduler:
         raise CheckpointError(f"{ds.tag_dir}: DeepSpeed's scheduler state {sorted(ds.scheduler)} does not map onto "
-                              f"the engine's {type(sched).__name__}; use the config's scheduler section")
-    it = int(ds.scheduler["last_batch_iteration"])
-    return {**sched.state_dict(), "last_epoch": it + 1, "_step_count": it + 2, "_last_lr": sched.lr_at(it)}
+                              f"the engine's {type(sched).__name__}; use one of DeepSpeed's schedules")
+    return {"last_batch_iteration": int(ds.scheduler["last_batch_iteration"])}
 
 
 # ---- export -----------------------------------------------------------------------------------------------------
@@ -310,9 +309,11 @@ class _ExportPlan:
         sched = self.full.rank0.get("scheduler")
         if sched is None:
             return None
-        if "last_epoch" not in sched or "min_lrs" not in sched:
+        if "last_batch_iteration" in sched:  # zeropp's schedules keep DeepSpeed's state
+            return {"last_batch_iteration": int(sched["last_batch_iteration"])}
+        if "last_epoch" not in sched or "min_lrs" not in sched:  # else torch's state, as zeropp saved it before
             raise CheckpointError(f"export-deepspeed: the scheduler state {sorted(sched)[:6]} is not one of DeepSpeed's "
-                                  "schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR)")
+                                  "schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)")
         return {"last_batch_iteration": int(sched["last_epoch"]) - 1}
 
     def _train_batch(self) -> int:

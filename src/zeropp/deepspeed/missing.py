@@ -19,7 +19,7 @@ MISSING: dict[str, frozenset[str]] = {
     # deepspeed.<name>
     "deepspeed": frozenset({
         "init_inference", "PipelineModule", "pipe", "moe", "profiling", "compression", "inference", "module_inject",
-        "monitor", "elasticity", "autotuning", "sequence", "linear", "tp_model_init", "add_tuning_arguments",
+        "monitor", "elasticity", "autotuning", "sequence", "linear", "tp_model_init",
         "DeepSpeedConfig", "InferenceEngine", "is_compile_supported",
     }),
     # engine.<name> on what deepspeed.initialize returns
@@ -47,9 +47,6 @@ MISSING: dict[str, frozenset[str]] = {
         "save_checkpoint_prologue", "save_checkpoint_epilogue", "update_lp_params", "round_robin_bit16_groups",
         "custom_loss_scaler", "external_loss_scale",
     }),
-    # deepspeed.runtime.lr_schedules.<name>: schedules DeepSpeed has and zeropp does not build
-    "deepspeed.runtime.lr_schedules": frozenset({"OneCycle", "LRRangeTest", "get_lr_from_config",
-                                                 "get_config_from_args", "add_tuning_arguments"}),
     # deepspeed.ops.adam.<name>
     "deepspeed.ops.adam": frozenset({"FusedAdam", "ZenFlowCPUAdam"}),
     # deepspeed.checkpointing.<name>: Megatron-style model parallelism's helpers
