@@ -199,3 +199,41 @@ def test_zeropps_files_are_verified_before_they_are_read(tmp_path):
     json.dump(raw, open(meta, "w"))
     with pytest.raises(IntegrityError, match="universal_sha256 does not match"):
         read_universal(out)
+
+
+def test_deepspeeds_names_for_universal_checkpoints():
+    import zeropp.deepspeed.checkpoint as ds_checkpoint
+    from zeropp.deepspeed.missing import DeepSpeedAPIError
+    assert ds_checkpoint.UNIVERSAL_CHECKPOINT_INFO == "universal_checkpoint_info"
+    assert ds_checkpoint.UNIVERSAL_CHECKPOINT_VERSION_VALUE == 0.4 and ds_checkpoint.PARAM == "param"
+    with pytest.raises(DeepSpeedAPIError, match="deepspeed.checkpoint.DeepSpeedCheckpoint is not implemented"):
+        ds_checkpoint.DeepSpeedCheckpoint
+    with pytest.raises(AttributeError):
+        ds_checkpoint.no_such_name
+
+
+def test_a_vocabulary_tensor_cut_to_its_rows_loads_padded_with_zeros(ds_copy):
+    """DeepSpeed's converter cuts a vocabulary tensor's padding rows (``original_vocab_size``): the model's larger
+    first dimension takes it padded with zeros, as DeepSpeed's loader pads it."""
+    from zeropp.checkpoint.engine_state import Param
+    from zeropp.checkpoint.universal import _chunk, _fits
+    head = os.path.join(ds_copy, "mp_rank_00_model_states.pt")
+    states = fmt.load_file(head)
+    states[UNIVERSAL_CHECKPOINT_INFO] = {constants.VOCABULARY_PARAMETER_PATTERNS: [r"head\.weight"],
+                                         constants.ORIGINAL_VOCAB_SIZE: 4}
+    fmt.save_file(states, head)
+    weights = references("stage2_fp32")[0]
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        path = os.path.join(ds_copy, "zero", "head.weight", f"{key}.pt")
+        tree = fmt.load_file(path)
+        fmt.save_file({"param": tree["param"][:4].clone(), "cat_dim": 0, "vocab_tensor": True}, path)
+    uc = open_universal(ds_copy)
+    entry = uc.param("head.weight")
+    assert entry.rows_trimmed and entry.shape == (4, 16) and _fits(entry, (5, 16)) and not _fits(entry, (5, 8))
+    values = uc.read(entry, True)
+    assert torch.equal(values.fp32, weights["head.weight"][:4])
+    p = Param("head.weight", ["head.weight"], (5, 16), 80, 0, 48, torch.zeros(48), torch.zeros(48), 0)
+    chunk = _chunk(values.fp32, p, entry, 48, ds_copy, "the fp32 value")  # rank 1 of 2: elements 48..95
+    assert torch.equal(chunk[:16], weights["head.weight"][3]) and not chunk[16:].any()
+    with pytest.raises(CheckpointError, match=r"has shape \[5, 16\], the checkpoint records \[4, 16\]"):
+        _chunk(weights["head.weight"], p, entry, 0, ds_copy, "the fp32 value")

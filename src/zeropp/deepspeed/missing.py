@@ -54,6 +54,13 @@ MISSING: dict[str, frozenset[str]] = {
         "model_parallel_cuda_manual_seed", "get_cuda_rng_tracker", "CheckpointFunction", "non_reentrant_checkpoint",
         "partition_activations_in_checkpoint", "set_num_layers",
     }),
+    # deepspeed.checkpoint.<name>: DeepSpeed's checkpoint readers and reshapers (universal checkpoints are built:
+    # checkpoint/ds_to_universal.py, checkpoint/universal_io.py)
+    "deepspeed.checkpoint": frozenset({
+        "DeepSpeedCheckpoint", "ZeROCheckpoint", "enable_universal_checkpoint", "SubparamShape",
+        "reshape_meg_2d_parallel", "merge_state", "model_3d_desc", "get_model_3d_descriptor",
+        "get_layer_ckpt_name_for_rank", "get_model_ckpt_name_for_rank", "get_zero_ckpt_name_for_rank",
+    }),
 }
 
 _WHERE = {"engine": "engine.{}", "optimizer": "ZeRO optimizer attribute {!r}"}

@@ -2,7 +2,11 @@
 
     python -m zeropp.deepspeed.checkpoint.ds_to_universal --input_folder ckpt/global_step3 \\
         --output_folder ckpt/global_step3_universal
-    # with the alias installed (zeropp run, zeropp.install_deepspeed_alias()): deepspeed.checkpoint.ds_to_universal
+
+With the alias installed, ``from deepspeed.checkpoint import ds_to_universal`` gives this module
+(``ds_to_universal.main(ds_to_universal.parse_arguments([...]))``); ``python -m deepspeed.checkpoint.ds_to_universal``
+itself does not run under the alias (runpy asks the module's loader for DeepSpeed's name, which it does not serve):
+run it as ``python -m zeropp.deepspeed.checkpoint.ds_to_universal``, or ``zeropp to-universal``.
 
 ``--input_folder`` is a tag directory of a DeepSpeed ZeRO checkpoint (stage 1-3, what DeepSpeed's converter takes)
 or of a zeropp checkpoint (``ckpt/global_step3`` with its ``manifest.json``; a zeropp save directory reads the tag
