@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 
 from zeropp.checkpoint.engine_state import What
-from zeropp.checkpoint.format import CheckpointError, fsync_dir
+from zeropp.checkpoint.format import CheckpointError, atomic_write_text, fsync_dir, rename_into_place
 from zeropp.checkpoint.universal import (
     ADAM, ParamValues, Universal, UniversalParam, from_checkpoint, load_universal, schedule_position,
 )
@@ -272,24 +272,30 @@ def write_ds_universal(uc: Universal, out_folder: str, write_latest: bool = True
     engine of any ZeRO stage and world size (``"checkpoint": {"load_universal": true}``)."""
     out_folder = os.path.abspath(out_folder)
     parent, name = os.path.split(out_folder)
-    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    nonce = os.urandom(6).hex()
+    tmp, aside = os.path.join(parent, f".{name}.tmp-{nonce}"), os.path.join(parent, f".{name}.old-{nonce}")
     os.makedirs(os.path.join(tmp, ZERO_DIR))
-    try:
+    try:  # written aside, then renamed into place: the folder is the old checkpoint or the whole new one
         steps = _write_params(uc, os.path.join(tmp, ZERO_DIR))
         fmt.save_file(_optimizer_state(uc, steps), os.path.join(tmp, ZERO_DIR, OPTIMIZER_STATE_FILE))
         for file, placeholders in (("mp_rank_00_model_states.pt", False), (MODEL_STATES_3, True)):
             fmt.save_file(_model_states_tree(uc, placeholders), os.path.join(tmp, file))
-        shutil.rmtree(out_folder, ignore_errors=True)
-        os.rename(tmp, out_folder)
+        fsync_dir(tmp)
+        rename_into_place(tmp, out_folder, aside)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(aside, ignore_errors=True)
     if write_latest:
-        with open(os.path.join(parent, LATEST_UNIVERSAL), "w") as f:
-            f.write(name)
+        write_latest_universal(out_folder)
     fsync_dir(parent)
     return out_folder
+
+
+def write_latest_universal(folder: str) -> None:
+    """Name ``folder`` in its parent's ``latest_universal`` (written aside and renamed, as zeropp writes ``latest``)."""
+    parent, name = os.path.split(os.path.abspath(folder))
+    atomic_write_text(os.path.join(parent, LATEST_UNIVERSAL), name)
 
 
 def _write_params(uc: Universal, zero: str) -> dict[int, float]:
@@ -334,6 +340,7 @@ def _optimizer_state(uc: Universal, steps: dict[int, float]) -> dict:
     """What stage 1-2 engines read (``param_groups``, ``clip_grad``, ``ds_version``, the loss scaler) and what stage 3
     engines read (``optimizer_state_dict``: one sub-group per group, its step)."""
     groups = [dict(g, params=[i]) for i, g in enumerate(uc.groups)]
+    # a group none of whose parameters was ever stepped has no step of its own: Adam's count is the optimizer's steps
     state = {g: {"step": torch.tensor(steps.get(g, float(uc.global_steps)), dtype=torch.float32)}
              for g in range(len(groups))}
     return {
@@ -474,8 +481,6 @@ def to_universal(src: str, out_folder: str, tag: Optional[str] = None, layout: s
     uc = open_source(src, tag, drop_unsupported)
     if layout == "zeropp":
         out = write_universal(uc, out_folder)
-        parent, name = os.path.split(os.path.abspath(out_folder))
-        with open(os.path.join(parent, LATEST_UNIVERSAL), "w") as f:
-            f.write(name)
+        write_latest_universal(out)
         return out
     return write_ds_universal(uc, out_folder)
