@@ -17,7 +17,7 @@ from zeropp.checkpoint.universal_format import UNIVERSAL_FILE, read_universal, w
 from zeropp.deepspeed import checkpoint_format as fmt
 from zeropp.deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO, constants, ds_to_universal
 from zeropp.deepspeed.checkpoint.universal_io import (
-    LATEST_UNIVERSAL, MODEL_STATES_3, from_deepspeed_zero, open_universal, read_ds_universal, to_universal,
+    LATEST_UNIVERSAL, MODEL_STATES_3, from_deepspeed_zero, open_universal, read_ds_universal,
     universal_folder,
 )
 from zeropp.tools import cli
@@ -237,3 +237,30 @@ def test_a_vocabulary_tensor_cut_to_its_rows_loads_padded_with_zeros(ds_copy):
     assert torch.equal(chunk[:16], weights["head.weight"][3]) and not chunk[16:].any()
     with pytest.raises(CheckpointError, match=r"has shape \[5, 16\], the checkpoint records \[4, 16\]"):
         _chunk(weights["head.weight"], p, entry, 0, ds_copy, "the fp32 value")
+
+
+def test_which_parameters_must_match():
+    """Every trainable parameter of the model must be in the checkpoint; a frozen one it lacks keeps the model's value
+    only non-strict (load_module_strict=False), which also ignores parameters the model lacks; shapes must agree."""
+    from zeropp.checkpoint.engine_state import Param
+    from zeropp.checkpoint.universal import Universal, UniversalParam, _match
+
+    def param(name: str, shape: tuple, trains: bool, aliases: tuple = ()) -> Param:
+        n = int(torch.Size(shape).numel())
+        return Param(name, [name, *aliases], shape, n, 0, n, torch.zeros(n), torch.zeros(n), 0 if trains else None)
+
+    uc = Universal("ckpt", [UniversalParam("w", (2, 3), 0, ("exp_avg", "exp_avg_sq")), UniversalParam("f", (4,), None),
+                            UniversalParam("old", (1,), None)], read=None, aliases={"tied.w": "w"})
+    model = [param("w", (2, 3), True), param("f", (4,), False), param("g", (2,), False)]
+    with pytest.raises(CheckpointError, match=r"lacks the model's parameters \['g'\]; load it non-strict"):
+        _match(model, uc, strict=True)
+    loading, entries = _match(model, uc, strict=False)
+    assert [p.name for p in loading] == ["w", "f"] and entries["w"].name == "w"
+    with pytest.raises(CheckpointError, match=r"lacks the model's parameters \['h'\]$"):
+        _match([*model, param("h", (3,), True)], uc, strict=False)
+    with pytest.raises(CheckpointError, match=r"holds parameters the model lacks \['old'\]"):
+        _match(model[:2], uc, strict=True)
+    with pytest.raises(CheckpointError, match=r"parameter w has shape \[2, 3\] in the universal checkpoint, \[3, 2\]"):
+        _match([param("w", (3, 2), True)], uc, strict=False)
+    loading, entries = _match([param("tied.w", (2, 3), True)], uc, strict=False)  # found through its alias
+    assert entries["tied.w"].name == "w"
