@@ -439,7 +439,7 @@ def test_missing_file_names_the_file(tmp_path: Path) -> None:
 
 def test_invalid_json_names_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
-    path.write_text('{\n  "zero_optimization": {\n    "stage": 3,\n  }\n}\n')
+    path.write_text('{\n  "zero_optimization": {\n    "stage": [3,\n  }\n}\n')  # a list closed by "}"
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert str(path) in str(info.value) and "invalid JSON at line 4" in str(info.value)

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from zeropp.config.auto import AutoValues, resolve_auto
 from zeropp.config.legacy import json_short, translate_legacy
+from zeropp.config.relaxed_json import RelaxedJSONError, loads_config
 from zeropp.config.schema import (
     DSBool,
     DSSteps,
@@ -48,6 +49,7 @@ from zeropp.config.schema import (
     UNION_TAGS,
     AdamOptimizerConfig,
     ActivationCheckpointingConfig,
+    CheckpointConfig,
     AdamParams,
     AioConfig,
     AnyOptimizerConfig,
@@ -163,7 +165,8 @@ class ZeroppConfig(Section):
     gradient_predivide_factor: Number = F(1.0, gt=0, doc="Divide gradients by this before the reduction and by "
                                           "world / this after it (for gradient_allreduce_op \"mean\").")
     gradient_allreduce_op: Literal["mean", "sum"] = F("mean", doc="What the ranks' gradients become: their mean "
-                                                      "(DeepSpeed's default) or their sum.")
+                                                      "(DeepSpeed's default) or their sum; any case (\"SUM\"), as "
+                                                      "DeepSpeed reads it.")
     zero_allow_untested_optimizer: DSBool = F(False, doc="DeepSpeed's guard for client optimizers.",
                                             status=STATUS_TUNING)
     comm_timeout_s: Number = F(300.0, gt=0, doc="zeropp extension: seconds any collective may wait for the "
@@ -179,6 +182,9 @@ class ZeroppConfig(Section):
                                           "client optimizer as given.", status=STATUS_TUNING)
     activation_checkpointing: ActivationCheckpointingConfig = F(
         default_factory=ActivationCheckpointingConfig, doc="Settings of DeepSpeed's checkpointing API.")
+    checkpoint: CheckpointConfig = F(default_factory=CheckpointConfig, doc="DeepSpeed's checkpoint settings: tag "
+                                     "validation, universal and node-local loading, the writer.",
+                                     status=STATUS_PARTIAL)
     aio: AioConfig = F(default_factory=AioConfig, doc="DeepSpeed's libaio settings for NVMe offload.",
                        status=STATUS_TUNING)
     tensor_parallel: TensorParallelConfig = F(default_factory=TensorParallelConfig, doc="DeepSpeed's "
@@ -187,6 +193,11 @@ class ZeroppConfig(Section):
                                     "(the training dtype only).", status=STATUS_PARTIAL)
     compile: CompileConfig = F(default_factory=CompileConfig, doc="torch.compile at initialize (engine.compile); "
                                "DeepCompile is not supported yet.", status=STATUS_PARTIAL)
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _op_in_any_case(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v  # DeepSpeed lower-cases it
 
     @model_validator(mode="after")
     def _one_precision(self) -> ZeroppConfig:
@@ -272,6 +283,13 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("zero_optimization.mics_shard_size", lambda v: v > 0,
                 "MiCS sub-group sharding; accepted: -1"),
     Unsupported("aio.use_gds", lambda v: v is True, "GPUDirect Storage; accepted: false"),
+    Unsupported("checkpoint.use_node_local_storage", lambda v: v is True,
+                "checkpoints on storage each node sees alone; rank 0 publishes one manifest over every rank's "
+                "shard; accepted: false"),
+    Unsupported("checkpoint.parallel_write.pipeline_stage", lambda v: v is True,
+                "pipeline parallelism; zeropp partitions over data-parallel ranks only; accepted: false"),
+    Unsupported("checkpoint.writer.type", lambda v: v == "MOCK",
+                "a writer that writes nothing; accepted: \"PYTHON\" or \"FAST\" (zeropp writes its own files)"),
     *(Unsupported(f"compile.{key}", lambda v, d=default: v != d,
                   f"DeepCompile, DeepSpeed's ZeRO as compiler passes; torch.compile works without it "
                   f"(compile.enabled, engine.compile); accepted: {json_short(default)}")
@@ -419,7 +437,10 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | ZeroppConfi
 
 
 def read_json(path: str) -> Any:
-    """Parse the JSON file at `path`; every failure is a `ConfigError` naming the file."""
+    """Parse the JSON file at `path`; every failure is a `ConfigError` naming the file.
+
+    A file that is not strict JSON is read as DeepSpeed reads config files, with ``hjson`` when it is installed,
+    else as JSON with comments, unquoted keys and trailing commas (`zeropp.config.relaxed_json`)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -427,9 +448,12 @@ def read_json(path: str) -> Any:
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read the file: {err}", path) from None
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}", path) from None
+        try:
+            return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        except json.JSONDecodeError:
+            return loads_config(text, _no_duplicate_keys)  # Hjson, or relaxed JSON: DeepSpeed reads them
+    except RelaxedJSONError as err:
+        raise ConfigError(f"invalid JSON at line {err.line}, column {err.column}: {err.message}", path) from None
     except _DuplicateKey as err:
         raise ConfigError(f"duplicate key {err.args[0]!r} in one JSON object (DeepSpeed rejects it too)",
                           path) from None

@@ -345,6 +345,10 @@ class ZeroConfig(Section):
     zeropp_loco_param: LocoConfig | None = F(None, doc="LoCo error feedback for qgZ: `{\"err_beta\": 0.8, "
                                              "\"reset_T\": 1024}` (see its section); needs "
                                              "`zero_quantized_gradients`.")
+    pipeline_loading_checkpoint: DSBool = F(False, doc="DeepSpeed's stage-3 loading in which each node's ranks "
+                                          "read the checkpoint one after another; zeropp's ranks read their own "
+                                          "shards at once. Loading with it below stage 3 raises DeepSpeed's "
+                                          "AssertionError under the alias.", status=STATUS_TUNING)
     offload_optimizer: OffloadOptimizerConfig | None = F(None, doc="Optimizer offload (see its section).")
     offload_param: OffloadParamConfig | None = F(None, doc="Parameter offload (see its section).")
     leaf_module: LeafModuleConfig = F(default_factory=LeafModuleConfig, doc="Stage 3: modules gathered as one "
@@ -424,6 +428,77 @@ class ActivationCheckpointingConfig(Section):
                                               "checkpointed forward and rerun (no-op on the CPU).")
     profile: DSBool = F(False, doc="Time each checkpointed forward and rerun (logged; "
                       "zeropp.activation.checkpointing.timings()).")
+
+
+_TAG_MODES = ("Ignore", "Warn", "Fail")
+
+
+def _tag_mode(value: Any) -> Any:
+    """DeepSpeed reads ``tag_validation`` in any case ("WARN", "warn"); the canonical spelling is kept."""
+    if isinstance(value, str):
+        for mode in _TAG_MODES:
+            if value.upper() == mode.upper():
+                return mode
+        raise problem(f"got {_show(value)}", '"Ignore", "Warn" or "Fail" (in any case)')
+    return value
+
+
+class CheckpointParallelWriteConfig(Section):
+    """`checkpoint.parallel_write`: DeepSpeed's parallel checkpoint writing across pipeline stages."""
+
+    pipeline_stage: DSBool = F(False, doc="Write in parallel across pipeline stages; zeropp has no pipeline "
+                               "parallelism, so `true` is not supported yet.", status=STATUS_PARTIAL)
+
+
+class CheckpointWriterConfig(Section):
+    """`checkpoint.writer`: DeepSpeed's FastPersist writer settings. zeropp writes each rank's shard itself (one
+    safetensors file, fsync'd and published by a rename: docs/checkpoints.md), so they tune nothing here."""
+
+    type: Literal["MOCK", "PYTHON", "FAST"] = F("FAST", doc="Which writer; \"MOCK\" (write nothing) is not "
+                                                 "supported; \"PYTHON\" and \"FAST\" load and change nothing.",
+                                                 status=STATUS_PARTIAL)
+    io_buffer_size: DSInt = F(64 * 1024**2, ge=1, doc="FastPersist's I/O buffer bytes.", status=STATUS_TUNING)
+    io_buffer_double: DSBool = F(True, doc="FastPersist's double buffering.", status=STATUS_TUNING)
+    show_statistics: DSBool = F(False, doc="FastPersist's write statistics.", status=STATUS_TUNING)
+    data_parallel: Literal["REPLICA", "SOCKET", "MACHINE"] | None = F(
+        None, doc="Which data-parallel ranks write in FastPersist; every zeropp rank writes its own shard.",
+        status=STATUS_TUNING)
+    decoupled: DSBool = F(False, doc="FastPersist's writes in the background; zeropp's save returns once every "
+                          "shard is on disk.", status=STATUS_TUNING)
+    io_multiplier: DSInt = F(1, ge=1, doc="FastPersist's I/O multiplier.", status=STATUS_TUNING)
+
+    @field_validator("type", "data_parallel", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+
+class CheckpointConfig(Section):
+    """`checkpoint`: DeepSpeed's settings for ``engine.save_checkpoint`` and ``load_checkpoint``."""
+
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = F(
+        "Warn", doc="Whether save_checkpoint checks that every rank passed the same tag (one all-reduce): "
+        "\"Fail\" raises an AssertionError, as DeepSpeed does; \"Warn\" and \"Ignore\" "
+        "write one checkpoint under rank 0's tag, with a warning that names the tags (DeepSpeed would write "
+        "each rank's files under its own tag, which no load reads whole). Any case is read (\"WARN\").")
+    load_universal: DSBool = F(False, doc="`true`: load_checkpoint reads a universal checkpoint (the folder "
+                               "`latest_universal` names; DeepSpeed's layout or zeropp's), on any world size and "
+                               "stage (zeropp/deepspeed/checkpoint/universal_io.py).")
+    use_node_local_storage: DSBool = F(False, doc="Each node saves to storage only it sees; `true` is not "
+                                       "supported yet (rank 0 publishes one manifest over every rank's shard).",
+                                       status=STATUS_PARTIAL)
+    parallel_write: CheckpointParallelWriteConfig = F(default_factory=CheckpointParallelWriteConfig,
+                                                      doc="Parallel writing across pipeline stages.",
+                                                      status=STATUS_PARTIAL)
+    checkpoint_serialization: DSBool = F(True, doc="torch.save's zipfile serialization in DeepSpeed; zeropp "
+                                         "writes safetensors files.", status=STATUS_TUNING)
+    writer: CheckpointWriterConfig | None = F(None, doc="DeepSpeed's FastPersist writer (see its section).",
+                                              status=STATUS_PARTIAL)
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _mode(cls, v: Any) -> Any:
+        return _tag_mode(v)
 
 
 class AioConfig(Section):
