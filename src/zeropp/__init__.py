@@ -28,6 +28,9 @@ def __getattr__(name: str) -> Any:
     if name in ("utils", "runtime"):  # DeepSpeed's subpackages, for `import zeropp as deepspeed` scripts
         import importlib
         return importlib.import_module(f"zeropp.deepspeed.{name}")
+    if name in ("DeepSpeedConfig", "DeepSpeedConfigError"):  # DeepSpeed's top-level config names
+        from zeropp.deepspeed.runtime import config
+        return getattr(config, name)
     return _deepspeed_getattr(name)
 
 

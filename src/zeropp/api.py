@@ -35,7 +35,7 @@ from zeropp.plus.loco import Loco
 from zeropp.plus.qgz import QuantizedReduce
 from zeropp.plus.qwz import QuantizedGather
 from zeropp.topology import Group
-from zeropp.zero import init_context
+from zeropp.zero import gathered, init_context
 from zeropp.config.policy import StagePlan, TrainPolicy, resolve
 from zeropp.zero.engine import ZeroEngine
 from zeropp.zero.strategies import Strategies
@@ -83,7 +83,8 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
-    """Rebuild a user's optimizer (same class, groups and hyper-parameters) over the master shards.
+    """The user's optimizer over the master shards: the same object, with the same class, groups and
+    hyper-parameters, its groups now holding the masters (Note [the client's optimizer]).
 
     ``master_of`` maps ``id(model parameter)`` to its fp32 master shard; parameters without one are frozen.
     """
@@ -96,7 +97,20 @@ def _retarget(user_opt: torch.optim.Optimizer, master_of: dict[int, torch.Tensor
         g = {k: v for k, v in group.items() if k != "params"}
         g["params"] = [master_of[id(p)] for p in group["params"] if id(p) in master_of]
         groups.append(g)
-    return cls(groups, **{k: v for k, v in user_opt.defaults.items() if k in accepted})
+    rebuilt = cls(groups, **{k: v for k, v in user_opt.defaults.items() if k in accepted})
+    for key, value in vars(rebuilt).items():
+        if key.startswith("_optimizer_") and key.endswith("_hooks") and getattr(user_opt, key, None):
+            continue  # hooks the user registered on the optimizer stay
+        setattr(user_opt, key, value)
+    return user_opt
+
+
+# Note [the client's optimizer]: an optimizer given to initialize is the engine's optimizer from then on, the caller's
+# object itself, as DeepSpeed's (its ZeRO optimizer steps the client's optimizer over fp32 partitions; at stage 0
+# it is the client's optimizer). It is built again over the masters, with its class's own constructor (which may
+# derive state from the parameters it is given), and that object's attributes are moved into the caller's: groups,
+# state and whatever the constructor set; hooks the caller registered stay, a scheduler built over it keeps
+# working. Any state from before (a step taken on the unpartitioned model) is dropped.
 
 
 def build(
@@ -133,6 +147,7 @@ def build(
         engine_class: the engine's class (a subclass of :class:`ZeroEngine` adds an API over it).
     """
     model, compiled_call = compiled_regions.unwrap(model)  # torch.compile(model): names stay the model's
+    _refuse_held(model)
     known = AutoValues(hidden_size=_hidden_size(model), client_optimizer=optimizer is not None,
                        client_scheduler=lr_scheduler is not None)
     cfg = load_config(config if config is not None else {}, known)
@@ -175,6 +190,16 @@ def build(
         engine.compile(cfg.compile.backend, cfg.compile.kwargs)
     checkpointing.attach(comm)  # partition_activations "node" splits checkpoints over this engine's nodes
     return engine
+
+
+def _refuse_held(model: nn.Module) -> None:
+    """Never two engines over one parameter's storage: a parameter that a live engine manages is refused by name."""
+    managed = gathered.managed_ids()
+    held = [name for name, p in model.named_parameters() if id(p) in managed] if managed else []
+    if held:
+        raise ValueError(f"build: parameter {held[0]!r} (and {len(held) - 1} more) is managed by a live engine; two "
+                         "engines would each write its storage. Give the model back first (engine.unpartition(), "
+                         "DeepSpeed's engine.destroy()), or build the new engine on another model")
 
 
 def _optimizer_factory(optimizer: Any, named: dict[str, nn.Parameter], cfg: ZeroppConfig,

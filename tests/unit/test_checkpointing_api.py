@@ -103,8 +103,8 @@ def test_configure_reads_the_section_and_the_keywords_override_it() -> None:
 def test_configure_names_what_it_refuses() -> None:
     with pytest.raises(DeepSpeedAPIError, match="model parallelism"):
         checkpointing.configure(mpu_=object())
-    with pytest.raises(DeepSpeedAPIError, match="number_checkpoints"):
-        checkpointing.configure(contiguous_checkpointing=True)
+    with pytest.raises(AssertionError, match="Must specify the number of layers.*num_checkpoints"):
+        checkpointing.configure(contiguous_checkpointing=True)  # DeepSpeed 0.19.8's check and error type
     with pytest.raises(DeepSpeedAPIError, match="contiguous_memory_optimization together with cpu_checkpointing"):
         checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=2, checkpoint_in_cpu=True)
     with pytest.raises(DeepSpeedAPIError, match="get_cuda_rng_tracker"):
@@ -112,22 +112,24 @@ def test_configure_names_what_it_refuses() -> None:
     assert not checkpointing.is_configured()
 
 
-def test_initialize_takes_a_megatron_section_and_names_what_is_missing_when_a_checkpoint_runs() -> None:
+def test_initialize_takes_a_megatron_section_and_leaves_contiguous_checkpointing_to_configure() -> None:
     # Megatron's config turns contiguous checkpointing on and leaves number_checkpoints to the script's own
-    # configure(..., num_checkpoints=...) call: initialize must not fail on it (DeepSpeed's does not read it)
+    # configure(..., num_checkpoints=...) call: initialize must not fail on it, and checkpoints run without the
+    # contiguous buffer until that call (DeepSpeed's initialize never applies the section)
     path = Path(__file__).resolve().parents[1] / "data" / "configs" / \
         "deepspeed-megatron_gpt2-ds_config_func_bs8_zero2_offload.json"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         checkpointing.apply_config(str(path))
         notes = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
-        assert any("do not read them" in n for n in notes), notes  # where the settings apply, said once
-        assert checkpointing.settings().contiguous_memory_optimization
+        assert any("no number_checkpoints" in n for n in notes), notes  # why the buffer waits, said once
+        assert checkpointing.is_configured() and not checkpointing.settings().contiguous_memory_optimization
         lin, x = nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True)
-        with torch.no_grad():
-            checkpointing.checkpoint(lin, x)  # nothing is kept without grad: nothing to refuse
-        with pytest.raises(DeepSpeedAPIError, match="number_checkpoints"):
-            checkpointing.checkpoint(lin, x)
+        checkpointing.checkpoint(lin, x).sum().backward()
+        assert x.grad is not None and not checkpointing.buffer_bytes()  # ran, and no contiguous buffer was made
+        checkpointing.configure(None, deepspeed_config=str(path), num_checkpoints=2)  # the script's own call
+        assert checkpointing.settings().contiguous_memory_optimization
+        assert checkpointing.settings().number_checkpoints == 2
         checkpointing.configure(deepspeed_config=str(path), num_checkpoints=2)  # what the script then does
     checkpointing.checkpoint(lin, x).sum().backward()
 

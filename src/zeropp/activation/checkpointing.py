@@ -40,6 +40,7 @@ effect:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import threading
@@ -58,8 +59,8 @@ from zeropp.offload.link import HOST, HostLink, Transfer, build_link
 from zeropp.errors import NotBuiltError
 from zeropp.zero.memory import count_on_host, outer_saved_tensor_hooks, register_buffers
 
-__all__ = ["checkpoint", "use", "settings_from", "apply_config", "is_configured", "reset", "set_link", "timings", "settings",
-           "gradient_checkpointing_enable", "attach", "Settings"]
+__all__ = ["checkpoint", "use", "restore", "settings_from", "apply_config", "is_configured", "reset", "set_link",
+           "timings", "settings", "gradient_checkpointing_enable", "attach", "Settings"]
 
 log = logging.getLogger("zeropp")
 
@@ -93,6 +94,10 @@ PARTITION_NOTE = (
     "them across the data-parallel ranks of a node instead; that does not lower memory per rank when the ranks' "
     "micro-batches are alike (each holds 1/D of D equally large checkpoints) and costs traffic inside the node "
     "(docs/config.md).")
+CONTIGUOUS_NOTE = (
+    "activation_checkpointing.contiguous_memory_optimization: no number_checkpoints is given, which sizes its "
+    "buffer; checkpoints keep their inputs where they are until checkpointing.configure(num_checkpoints=...) is "
+    "called (as in DeepSpeed, whose initialize never applies this section).")
 SCOPE_NOTE = (
     "activation_checkpointing: these settings apply to zeropp.activation.checkpointing.checkpoint (deepspeed.checkpointing."
     "checkpoint) and to Hugging Face models enabled with zeropp.activation.checkpointing.gradient_checkpointing_enable(model); "
@@ -133,15 +138,30 @@ def use(s: Settings) -> None:
 
 def apply_config(config: Any) -> None:
     """What ``zeropp.initialize`` does with a config that has an ``activation_checkpointing`` section: the same
-    settings as ``configure(deepspeed_config=config)``, except that a combination ``configure`` refuses
-    (contiguous checkpointing without ``number_checkpoints``, as Megatron configs leave it to the script's own
-    ``configure(..., num_checkpoints=...)`` call) is raised by the first checkpoint that runs, not here."""
+    settings as ``configure(deepspeed_config=config)``, except for what ``configure`` refuses. Contiguous
+    checkpointing without ``number_checkpoints`` (Megatron's configs leave the count to the script's own
+    ``configure(..., num_checkpoints=...)`` call) is left off, with a ``ConfigWarning``, until a ``configure`` call
+    gives the count: DeepSpeed's ``initialize`` never applies the section, so its checkpoints run without it too.
+    Another combination ``configure`` refuses is raised by the first checkpoint that runs, not here."""
     s = settings_from(config)
+    if s.contiguous_memory_optimization and s.number_checkpoints is None:
+        s = dataclasses.replace(s, contiguous_memory_optimization=False)
+        _warn_once("contiguous", CONTIGUOUS_NOTE)
     problem = _problem(s)
-    _install(s, None if problem is None else f"activation_checkpointing: {problem} (or call "
-                                              "checkpointing.configure with num_checkpoints)")
+    _install(s, None if problem is None else f"activation_checkpointing: {problem}")
     if s.cpu_checkpointing or s.contiguous_memory_optimization or s.synchronize_checkpoint_boundary or s.profile:
         _warn_once("scope", SCOPE_NOTE)
+
+
+def restore(s: Optional[Settings]) -> None:
+    """Put ``s`` in force as it is, without :func:`use`'s checks (None: unconfigured, the defaults in force), for
+    code that saves the settings and puts them back (DeepSpeed's module globals)."""
+    if s is None:
+        global _settings, _deferred
+        with _lock:
+            _settings, _deferred = None, None
+        return
+    _install(s, None)
 
 
 def settings_from(config: Any) -> Settings:

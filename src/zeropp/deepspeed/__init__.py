@@ -19,19 +19,27 @@ from zeropp.deepspeed.accelerator import get_accelerator
 from zeropp.deepspeed.missing import DeepSpeedAPIError, module_getattr
 from zeropp.deepspeed.module_api import InitResult, add_config_arguments, init_distributed
 from zeropp.deepspeed.module_api import initialize as _initialize
+from zeropp.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from zeropp.deepspeed.runtime.engine import DeepSpeedEngine
 from zeropp.deepspeed.runtime.lr_schedules import add_tuning_arguments
 
 __version__ = "0.19.8"
+__version_major__, __version_minor__, __version_patch__ = (int(v) for v in __version__.split("."))
+# the DeepSpeed build these would name: none (DeepSpeed's own release wheels report "unknown" too)
+__git_hash__ = "unknown"
+__git_branch__ = "unknown"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "zero", "checkpointing",
            "utils", "runtime", "comm", "ops", "accelerator", "checkpoint", "get_accelerator", "DeepSpeedEngine",
-           "DeepSpeedAPIError", "__zeropp_version__"]
+           "DeepSpeedAPIError", "DeepSpeedConfig", "DeepSpeedConfigError", "__zeropp_version__"]
 
 
 def initialize(*args: Any, **kwargs: Any) -> InitResult:
-    """``zeropp.initialize`` (same arguments), returning a :class:`DeepSpeedEngine` and, as its optimizer, the view
-    of DeepSpeed's ZeRO optimizer (``runtime/zero/zero_optimizer.py``) that is also ``engine.optimizer``:
-    ``optimizer.optimizer.state[...]``, ``fp16_groups``, ... as DeepSpeed's scripts read them."""
+    """``zeropp.initialize`` (same arguments), returning a :class:`DeepSpeedEngine` and, as its optimizer,
+    ``engine.optimizer``, what DeepSpeed's engine holds: the view of its ZeRO optimizer at stages 1-3
+    (``runtime/zero/zero_optimizer.py``: ``optimizer.optimizer`` is the client's optimizer object,
+    ``fp16_groups``, ...), at stage 0 the torch optimizer itself in fp32 and DeepSpeed's unfused 16-bit wrapper in
+    fp16/bf16; None at stage 0 in fp32 or fp16 when neither the arguments nor the config give an optimizer,
+    as in DeepSpeed."""
     result = _initialize(*args, engine_class=DeepSpeedEngine, **kwargs)
     return result._replace(optimizer=result.engine.optimizer)
 

@@ -20,7 +20,7 @@ MISSING: dict[str, frozenset[str]] = {
     "deepspeed": frozenset({
         "init_inference", "PipelineModule", "pipe", "moe", "profiling", "compression", "inference", "module_inject",
         "monitor", "elasticity", "autotuning", "sequence", "linear", "tp_model_init",
-        "DeepSpeedConfig", "InferenceEngine", "is_compile_supported",
+        "InferenceEngine", "is_compile_supported",
     }),
     # engine.<name> on what deepspeed.initialize returns
     "engine": frozenset({
@@ -31,7 +31,7 @@ MISSING: dict[str, frozenset[str]] = {
         "set_data_post_process_func",
         "set_custom_curriculum_learning_schedule", "get_sequence_parallel_group", "module_state_dict",
         "load_module_state_dict", "get_data_types", "optimizer_name", "timers",
-        "training_dataloader", "dataloader_drop_last", "checkpoint_tag_validation_enabled", "client_optimizer",
+        "training_dataloader", "dataloader_drop_last", "client_optimizer",
         "basic_optimizer", "autotuning_enabled", "progressive_layer_drop", "data_parallel_group",
         "seq_parallel_group", "client_lr_scheduler", "quantize_training", "zero_quantized_nontrainable_weights",
     }),
@@ -51,7 +51,7 @@ MISSING: dict[str, frozenset[str]] = {
     "deepspeed.ops.adam": frozenset({"FusedAdam", "ZenFlowCPUAdam"}),
     # deepspeed.checkpointing.<name>: Megatron-style model parallelism's helpers
     "deepspeed.checkpointing": frozenset({
-        "model_parallel_cuda_manual_seed", "get_cuda_rng_tracker", "CheckpointFunction", "non_reentrant_checkpoint",
+        "model_parallel_cuda_manual_seed", "get_cuda_rng_tracker", "CheckpointFunction",
         "partition_activations_in_checkpoint", "set_num_layers",
     }),
     # deepspeed.checkpoint.<name>: DeepSpeed's checkpoint readers and reshapers (universal checkpoints are built:

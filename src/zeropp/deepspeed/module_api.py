@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import warnings
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
 
 import torch
@@ -15,8 +16,12 @@ from torch import nn
 from zeropp.api import build
 from zeropp.config.loader import ZeroppConfig
 from zeropp.deepspeed.missing import DeepSpeedAPIError
+from zeropp.deepspeed.runtime.config_utils import decoded_config, deepspeed_config_errors
 from zeropp.deepspeed.runtime.engine import ZeroppEngine
+from zeropp.deepspeed.utils import logger
 from zeropp.topology import ensure_process_group
+from zeropp.zero import gathered
+from zeropp.zero import param_state as ps
 
 
 class InitResult(NamedTuple):
@@ -51,11 +56,14 @@ def initialize(
 
     Args:
         args: an argparse namespace; its ``deepspeed_config`` is the config when ``config`` is not given
-            (see :func:`zeropp.add_config_arguments`).
+            (see :func:`zeropp.add_config_arguments`; ``deepscale_config``, DeepSpeed's deprecated name, is read
+            as it, with DeepSpeed's warning).
         model: an unchanged ``nn.Module``; its parameters are sharded in place (each rank keeps its chunk).
-        optimizer: a torch optimizer built over ``model``'s parameters (rebuilt with the same class, groups and
-            hyper-parameters over the fp32 master shards), or a callable ``params -> optimizer``; default:
-            the config's ``optimizer`` section.
+            ``None`` is DeepSpeed's AssertionError. A model a live engine still holds is given back by that
+            engine first (Note [a second initialize]).
+        optimizer: a torch optimizer built over ``model``'s parameters (the same object then steps the fp32
+            master shards: Note [the client's optimizer] in ``zeropp/api.py``), or a callable
+            ``params -> optimizer``; default: the config's ``optimizer`` section.
         model_parameters: the parameters to train; others are kept frozen (default: all of them).
         training_data: a dataset; if given, a loader of ``train_micro_batch_size_per_gpu`` with a
             distributed sampler (and ``collate_fn``) is returned.
@@ -64,32 +72,34 @@ def initialize(
         distributed_port: the rendezvous port when the environment sets none (torchrun sets it).
         mpu, mesh_param: model parallelism; not supported (an error says so).
         dist_init_required: False asserts that the process group already exists.
-        config: a DeepSpeed-style JSON path or dict (``config_params`` is DeepSpeed's older spelling).
-            Hugging Face's ``"auto"`` values are resolved from the model and the arguments where they can
-            be (see :mod:`zeropp.config.auto`).
+        config: a DeepSpeed-style JSON (or Hjson) path, a dict, or a base64-encoded JSON string, as DeepSpeed
+            takes it (``config_params`` is DeepSpeed's older spelling). Hugging Face's ``"auto"`` values are
+            resolved from the model and the arguments where they can be (see :mod:`zeropp.config.auto`). Its
+            errors are :class:`~zeropp.deepspeed.runtime.config.DeepSpeedConfigError`, a ``ConfigError``.
         param_init_fn: for a model built under ``torch.device("meta")`` (or ``zeropp.zero.Init``): called on
             each module once its parameters exist on the host (default: ``module.reset_parameters()``);
             parameters are created, initialized and sharded a unit at a time, so no rank ever holds the
             whole model.
         engine_class: the engine's class (the alias's ``deepspeed.initialize`` asks for ``DeepSpeedEngine``).
     """
-    if model is None:
-        raise TypeError("initialize: model is required")
+    if model is None:  # DeepSpeed's check, with its error type (raised, so that python -O keeps it)
+        raise AssertionError("deepspeed.initialize requires a model")
     for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
         if value is not None:
             raise DeepSpeedAPIError(f"initialize({name}=...): model parallelism is not implemented by zeropp; "
                                     "zeropp partitions over data-parallel ranks only")
-    args_config = getattr(args, "deepspeed_config", None) if args is not None else None
-    if args_config is not None and (config is not None or config_params is not None):
-        raise ValueError("initialize: a config was given both as args.deepspeed_config and as config/config_params; "
-                         "give one")
-    source = next((c for c in (config, config_params, args_config) if c is not None), {})
+    source = _config_source(args, config, config_params)
     if dist_init_required is False and not dist.is_initialized():
         raise RuntimeError("initialize(dist_init_required=False): no process group exists yet")
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    engine = build(model, config=source, optimizer=optimizer, model_parameters=model_parameters,
-                   lr_scheduler=lr_scheduler, param_init_fn=param_init_fn, engine_class=engine_class)
+    give_back_holders(model)
+    with deepspeed_config_errors():  # DeepSpeed's error type, still zeropp's ConfigError (a ValueError)
+        engine = build(model, config=source, optimizer=optimizer, model_parameters=model_parameters,
+                       lr_scheduler=lr_scheduler, param_init_fn=param_init_fn, engine_class=engine_class)
+    # DeepSpeed's engine has an optimizer only when the arguments or the config name one (zeropp's default AdamW
+    # is not one it would have: Note [no optimizer])
+    engine.__dict__["_has_optimizer"] = optimizer is not None or engine.config.optimizer is not None
     loader = None
     if training_data is not None:  # DeepSpeed's loader: micro-batches of this rank's part of each epoch
         topo = engine.topo
@@ -99,6 +109,50 @@ def initialize(
         loader = torch.utils.data.DataLoader(training_data, batch_size=engine.policy.micro_batch_per_rank,
                                              sampler=sampler, collate_fn=collate_fn)
     return InitResult(engine, engine.master_optimizer, loader, engine.lr_scheduler)
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The config as DeepSpeed's ``initialize`` finds it: ``config`` (``config_params`` its older name), else
+    ``args.deepspeed_config`` (``args.deepscale_config`` its deprecated name: moved there, with DeepSpeed's warning);
+    both at once is DeepSpeed's AssertionError. A base64 string is a config too. None given: zeropp's defaults."""
+    if config is None:
+        config = config_params
+    if getattr(args, "deepscale_config", None) is not None:
+        logger.warning("************ --deepscale_config is deprecated, please use --deepspeed_config ************")
+        if getattr(args, "deepspeed_config", None) is not None:
+            raise AssertionError("Not sure how to proceed, we were given both a deepscale_config and deepspeed_config")
+        args.deepspeed_config, args.deepscale_config = args.deepscale_config, None
+    args_config = getattr(args, "deepspeed_config", None)
+    if args_config is not None:
+        if config is not None:
+            raise AssertionError("Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments "
+                                 "and deepspeed.initialize() function call")
+        config = args_config
+    return decoded_config(config) if config is not None else {}
+
+
+def give_back_holders(model: nn.Module) -> None:
+    """Note [a second initialize]: DeepSpeed's ``initialize`` on a model a live engine still holds builds a second
+    engine over the same parameters, each writing their storage (at stage 3 both step the same partitions). zeropp
+    gives the earlier engine's model back whole first (``engine.destroy()``: each parameter holds its current value,
+    the 16-bit weights the next forward would use, every hook removed), with a warning, and builds the new engine from
+    those values; the earlier engine then refuses to train, save or load (:class:`EngineGivenBackError`). Collective,
+    as ``initialize`` is."""
+    managed = gathered.managed_ids()
+    if not managed or not any(id(p) in managed for p in model.parameters()):
+        return
+    holders: list[Any] = []
+    for p in model.parameters():
+        loc = ps.locate(p) if id(p) in managed else None
+        if loc is not None and not any(loc.engine is h for h in holders):
+            holders.append(loc.engine)
+    for engine in holders:
+        warnings.warn("initialize: the model's parameters are held by a live engine; DeepSpeed would build a second "
+                      "engine over the same parameters (two engines writing one parameter's storage). zeropp gives "
+                      "the earlier engine's model back whole (engine.destroy()) and builds the new engine from those "
+                      "values; the earlier engine refuses further use", RuntimeWarning, stacklevel=3)
+        engine.unpartition()
+        engine.__dict__["_given_back"] = "a later initialize() took its model"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

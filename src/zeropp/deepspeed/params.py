@@ -30,6 +30,7 @@ from zeropp.partition.access import is_inplace
 from zeropp.zero.construction import PARAMS, State
 from zeropp.partition.unit import UnitState
 from zeropp.zero import param_state as ps
+from zeropp.zero.gathered import GatheredParameters
 from zeropp.deepspeed.missing import DeepSpeedAPIError
 
 
@@ -156,6 +157,41 @@ class DeepSpeedParameter(nn.Parameter):
                 "grad_shape": tuple(self.grad.shape) if self.grad is not None else None,
                 "persist": self.ds_persist, "ds_tensor.shape": tuple(self.ds_tensor.shape)}
 
+    def all_gather_coalesced(self, params: Optional[list[nn.Parameter]] = None, safe_mode: bool = False,
+                             quantize: bool = False) -> "GatherHandle":
+        """DeepSpeed's gather of partitioned parameters (``params``, default this one): collective, every rank
+        calls. Each then holds its full value (``param.data``) until :meth:`partition` (also collective) or the
+        engine's next release of its unit, through ``zeropp.zero.GatheredParameters`` (values from the fp32 masters,
+        cast to the compute dtype; a write to them is refused at ``partition()``, as there). Returns a handle whose
+        ``wait()`` returns at once: the gather is done. ``quantize=True`` (qwZ's int8 gather) is not supported here;
+        ``safe_mode`` (DeepSpeed's consistency checks) changes nothing."""
+        if quantize:
+            raise DeepSpeedAPIError("param.all_gather_coalesced(quantize=True): zeropp gathers these values from the "
+                                    "fp32 masters; leave quantize False (qwZ quantizes the forward's gathers)")
+        chosen = [self] if params is None else [p for p in params if p is not None]
+        chosen = [p for p in chosen if id(p) not in _OPEN]  # gathered already: held until partition()
+        if chosen:
+            block = GatheredParameters(chosen)
+            block.__enter__()
+            for p in chosen:
+                _OPEN[id(p)] = block
+        return GatherHandle()
+
+    def partition(self, param_list: Optional[list[nn.Parameter]] = None, hierarchy: int = 0,
+                  has_been_updated: bool = False, free_data: bool = True) -> None:
+        """Release what :meth:`all_gather_coalesced` gathered for these parameters (``param_list``, default this
+        one), with every parameter gathered together with them; collective. DeepSpeed's ``has_been_updated``
+        (publish a write) is refused: change parameters inside ``GatheredParameters(params, modifier_rank=0)``."""
+        if has_been_updated:
+            raise DeepSpeedAPIError("param.partition(has_been_updated=True): change parameters inside "
+                                    "zeropp.zero.GatheredParameters(params, modifier_rank=0), which publishes them")
+        chosen = [self] if param_list is None else list(param_list)
+        blocks = {id(_OPEN[id(p)]): _OPEN[id(p)] for p in chosen if id(p) in _OPEN}
+        for block in blocks.values():
+            for p in block.params:
+                _OPEN.pop(id(p), None)
+            block.__exit__(None, None, None)
+
     @property
     def ds_id(self) -> int:
         loc = ps.locate(self)
@@ -169,6 +205,14 @@ class DeepSpeedParameter(nn.Parameter):
 
 
 _VIEWS = {name for name, value in vars(DeepSpeedParameter).items() if isinstance(value, property)}
+_OPEN: dict[int, GatheredParameters] = {}  # parameters all_gather_coalesced holds gathered, until partition()
+
+
+class GatherHandle:
+    """What ``all_gather_coalesced`` returns (DeepSpeed's handle): the gather is complete when it is made."""
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        """Nothing to wait for."""
 
 
 def _unit_status(engine: Any, unit: Any) -> ZeroParamStatus:

@@ -1,5 +1,7 @@
-"""``deepspeed.runtime``: the ``zero`` subpackage, ``engine.DeepSpeedEngine``, ``lr_schedules`` and
-``bf16_optimizer`` (whose names raise ``DeepSpeedAPIError``)."""
-from zeropp.deepspeed.runtime import bf16_optimizer, engine, lr_schedules, zero
+"""``deepspeed.runtime``: the ``zero`` subpackage, ``engine.DeepSpeedEngine``, ``config.DeepSpeedConfig``,
+``activation_checkpointing``, ``utils.see_memory_usage``, ``lr_schedules``, and the optimizer classes scripts check
+with ``isinstance`` (``bf16_optimizer``, ``fp16``)."""
+from zeropp.deepspeed.runtime import (activation_checkpointing, bf16_optimizer, config, engine, fp16, lr_schedules,
+                                      utils, zero)
 
-__all__ = ["bf16_optimizer", "engine", "lr_schedules", "zero"]
+__all__ = ["activation_checkpointing", "bf16_optimizer", "config", "engine", "fp16", "lr_schedules", "utils", "zero"]

@@ -19,10 +19,12 @@ A DeepSpeed name this view lacks raises :class:`DeepSpeedAPIError` naming it; an
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Any, Callable, Optional
 
 import torch
 
+from zeropp.partition.access import is_inplace
 from zeropp.zero import param_state as ps
 from zeropp.deepspeed.missing import DeepSpeedAPIError, is_missing, missing
 from zeropp.deepspeed.runtime.zero.parameter_offload import ParameterOffload
@@ -86,9 +88,24 @@ class ZeroOptimizerView:
         return [[params[id(m)] for m in g["params"] if id(m) in params] for g in self.param_groups]
 
     @property
-    def single_partition_of_fp32_groups(self) -> list[list[torch.Tensor]]:
-        """Stages 1-2: each parameter group's fp32 partition (here the masters of its parameters)."""
-        return [list(g["params"]) for g in self.param_groups]
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        """Stages 1-2: each parameter group's fp32 partition on this rank, one flat tensor per group as in DeepSpeed:
+        the group's master chunks in the optimizer's order, zero padding included (Note [shard layout]; DeepSpeed
+        cuts one flat buffer per group instead, so the elements of a rank's partition differ). Each is a
+        :class:`GroupPartition` over the masters: read at this access, and an in-place write to it (``copy_``,
+        ``mul_``, ``.data = value``) is written into the masters, which the next optimizer step steps and publishes
+        as the weights, as DeepSpeed's does."""
+        engine = self._engine
+        engine.join_update()
+        unit_of = {id(m): loc.unit for loc, m in self._located()}
+        out = []
+        for group in self.param_groups:
+            masters = [m for m in group["params"] if id(m) in unit_of]
+            units = list({id(unit_of[id(m)]): unit_of[id(m)] for m in masters}.values())
+            with engine.state.residency.resident(units, dirty=False):
+                flat = torch.cat([m.detach().reshape(-1) for m in masters]) if masters else torch.zeros(0)
+            out.append(GroupPartition.of(flat, functools.partial(_write_masters, engine, masters, units)))
+        return out
 
     @property
     def loss_scale(self) -> float:
@@ -172,6 +189,48 @@ class ZeroOptimizerView:
         return f"{type(self).__name__}({self._engine.master_optimizer!r})"
 
 
+class GroupPartition(torch.Tensor):
+    """``single_partition_of_fp32_groups[i]``: a flat copy of one parameter group's fp32 master chunks on this rank.
+    An in-place operation on it (or ``.data = value``) changes the copy and writes it into the masters; every other
+    operation gives plain tensors."""
+
+    _write: Callable[[torch.Tensor], None]
+
+    @staticmethod
+    def of(values: torch.Tensor, write: Callable[[torch.Tensor], None]) -> "GroupPartition":
+        t = torch.Tensor._make_subclass(GroupPartition, values, False)
+        t._write = write
+        return t
+
+    @property  # type: ignore[override]
+    def data(self) -> "GroupPartition":
+        return self
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self.copy_(value)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args and is_inplace(getattr(func, "__name__", "")) else kwargs.get("out")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+            if isinstance(target, GroupPartition):
+                target._write(target)  # the changed copy into the masters
+        return out
+
+
+def _write_masters(engine: Any, masters: list[torch.Tensor], units: list[Any], flat: torch.Tensor) -> None:
+    """Copy ``flat`` (a group partition) into the group's master chunks; the next step steps them."""
+    engine.join_update()  # a delayed update still running writes the same masters
+    with torch.no_grad(), engine.state.residency.resident(units):
+        at = 0
+        for m in masters:
+            m.copy_(flat[at : at + m.numel()].view_as(m))
+            at += m.numel()
+
+
 class DeepSpeedZeroOptimizer(ZeroOptimizerView):
     """What ``deepspeed.initialize`` returns as the optimizer at stages 0-2 (DeepSpeed's name, for isinstance)."""
 
@@ -183,9 +242,3 @@ class DeepSpeedZeroOptimizer_Stage3(ZeroOptimizerView):  # noqa: N801 (DeepSpeed
     def parameter_offload(self) -> ParameterOffload:
         """The module hooks as TRL's generation takes them off and puts them back (``parameter_offload.py``)."""
         return ParameterOffload(self._engine)
-
-
-def zero_optimizer_view(engine: Any) -> ZeroOptimizerView:
-    """The view of DeepSpeed's ZeRO optimizer for ``engine``'s stage."""
-    stage3 = engine.plan.shards_weights
-    return DeepSpeedZeroOptimizer_Stage3(engine) if stage3 else DeepSpeedZeroOptimizer(engine)
