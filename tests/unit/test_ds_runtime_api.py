@@ -255,6 +255,10 @@ def test_initialize_checks_its_arguments_as_deepspeed(alias, tmp_path: Path) -> 
     both = argparse.Namespace(deepspeed_config="a.json", deepscale_config="b.json")
     with pytest.raises(AssertionError, match="both a deepscale_config and deepspeed_config"):
         deepspeed.initialize(args=both, model=model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam(nn.Linear(2, 2).parameters()), lambda e: 1.0)
+    for optimizer in (None, lambda params: torch.optim.AdamW(params)):  # TestClientLrScheduler's invalid pairs
+        with pytest.raises(AssertionError, match="Client Optimizer .* is not instantiated but Client LR Scheduler"):
+            deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=BASE)
     assert [p.shape for p in model.parameters()] == [torch.Size([2, 2]), torch.Size([2])]  # left as it was
 
 

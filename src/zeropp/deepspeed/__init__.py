@@ -11,7 +11,10 @@ the alias is installed.
 ``__version__`` is the DeepSpeed release whose API this layer follows (integrations compare it);
 ``__zeropp_version__`` is zeropp's own.
 """
+import inspect
 from typing import Any
+
+import torch
 
 from zeropp._version import __version__ as __zeropp_version__
 from zeropp.deepspeed import accelerator, checkpoint, checkpointing, comm, ops, runtime, utils, zero
@@ -40,6 +43,12 @@ def initialize(*args: Any, **kwargs: Any) -> InitResult:
     ``fp16_groups``, ...), at stage 0 the torch optimizer itself in fp32 and DeepSpeed's unfused 16-bit wrapper in
     fp16/bf16; None at stage 0 in fp32 or fp16 when neither the arguments nor the config give an optimizer,
     as in DeepSpeed."""
+    given = inspect.signature(_initialize).bind(*args, **kwargs).arguments
+    scheduler, optimizer = given.get("lr_scheduler"), given.get("optimizer")
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not isinstance(optimizer, torch.optim.Optimizer):
+        # DeepSpeed's check: a scheduler object is built over an optimizer object, which must be the one given
+        raise AssertionError(f"Client Optimizer (type = {type(optimizer)} is not instantiated but Client LR Scheduler "
+                             "is instantiated")
     result = _initialize(*args, engine_class=DeepSpeedEngine, **kwargs)
     return result._replace(optimizer=result.engine.optimizer)
 
