@@ -134,12 +134,13 @@ def build(
         config: a DeepSpeed-style JSON path or dict (or a parsed :class:`ZeroppConfig`). Hugging Face's
             ``"auto"`` values are resolved from the model and the arguments where they can be
             (see :mod:`zeropp.config.auto`).
-        optimizer: a torch optimizer built over ``model``'s parameters (rebuilt with the same class, groups and
-            hyper-parameters over the fp32 master shards), or a callable ``params -> optimizer``; default:
-            the config's ``optimizer`` section.
+        optimizer: a torch optimizer built over ``model``'s parameters (the same object then steps the fp32 master
+            shards, with its class, groups and hyper-parameters: Note [the client's optimizer]), or a callable
+            ``params -> optimizer``; default: the config's ``optimizer`` section.
         model_parameters: the parameters to train; others are kept frozen (default: all of them).
         lr_scheduler: a callable ``optimizer -> scheduler``, or a scheduler built over ``optimizer`` (it is
-            moved onto the rebuilt optimizer); default: the config's ``scheduler`` section.
+            pointed at the engine's optimizer: the same object when it was built over the one given); default: the
+            config's ``scheduler`` section.
         param_init_fn: for a model built under ``torch.device("meta")`` (or ``zeropp.zero.Init``): called on
             each module once its parameters exist on the host (default: ``module.reset_parameters()``);
             parameters are created, initialized and sharded a unit at a time, so no rank ever holds the
@@ -204,7 +205,7 @@ def _refuse_held(model: nn.Module) -> None:
 
 def _optimizer_factory(optimizer: Any, named: dict[str, nn.Parameter], cfg: ZeroppConfig,
                        policy: TrainPolicy) -> Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer]:
-    """``masters -> optimizer`` over the fp32 master shards: the caller's optimizer rebuilt, the caller's
+    """``masters -> optimizer`` over the fp32 master shards: the caller's optimizer retargeted, the caller's
     callable, or the config's section (masters are named after the parameter they shard)."""
 
     def make_optimizer(masters: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
@@ -250,8 +251,9 @@ def _hidden_size(model: nn.Module) -> Optional[int]:
 
 
 def _scheduler_factory(lr_scheduler: Any, config_scheduler: Callable[[torch.optim.Optimizer], Any]) -> Callable:
-    """``optimizer -> scheduler``: the caller's callable, the caller's scheduler moved onto the rebuilt
-    optimizer (its groups carry the same keys, ``initial_lr`` included), or the config's section."""
+    """``optimizer -> scheduler``: the caller's callable, the caller's scheduler pointed at the engine's optimizer
+    (the caller's own object when the scheduler was built over it; its groups carry the same keys, ``initial_lr``
+    included), or the config's section."""
     if lr_scheduler is None:
         return config_scheduler
     if hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer"):

@@ -68,7 +68,9 @@ def initialize(
         training_data: a dataset; if given, a loader of ``train_micro_batch_size_per_gpu`` with a
             distributed sampler (and ``collate_fn``) is returned.
         lr_scheduler: a callable ``optimizer -> scheduler``, or a scheduler built over ``optimizer`` (it is
-            moved onto the rebuilt optimizer); default: the config's ``scheduler`` section.
+            pointed at the engine's optimizer, the same object when built over the one given); default: the config's
+            ``scheduler`` section. A scheduler object with an optimizer that is not one is refused (the alias's
+            ``deepspeed.initialize``, as DeepSpeed).
         distributed_port: the rendezvous port when the environment sets none (torchrun sets it).
         mpu, mesh_param: model parallelism; not supported (an error says so).
         dist_init_required: False asserts that the process group already exists.
